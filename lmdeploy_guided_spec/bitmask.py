@@ -1,0 +1,132 @@
+"""Token bitmasks: allocation, packing, unpacking and applying them to logits.
+
+A bitmask has shape ``(rows, ceil(vocab_size / 32))`` and dtype ``int32`` (xgrammar's layout; int32 because
+older PyTorch has no uint32). Bit ``j % 32`` of word ``j // 32`` is 1 when token ``j`` is allowed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+__all__ = [
+    'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'ALL_ALLOWED'
+]
+
+#: The value of a bitmask word that allows all 32 of its tokens.
+ALL_ALLOWED = -1
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Number of int32 words one bitmask row needs for ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """Allocate a CPU bitmask of ``rows`` rows with every token allowed.
+
+    Parameters
+    ----------
+    rows : int
+        Number of rows.
+    vocab_size : int
+        Vocabulary size the rows cover (the model's padded vocabulary size).
+    pin_memory : bool, default: False
+        Allocate page-locked memory so host-to-device copies can be issued without blocking.
+    """
+    mask = torch.full((rows, bitmask_words(vocab_size)), ALL_ALLOWED, dtype=torch.int32, pin_memory=pin_memory)
+    return mask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack a bitmask into a bool tensor of shape ``(rows, vocab_size)``; True means allowed.
+
+    Pseudocode: ``allowed[r, j] = (bitmask[r, j // 32] >> (j % 32)) & 1``.
+    """
+    if bitmask.dtype != torch.int32:
+        raise TypeError(f'bitmask.dtype must be torch.int32, got {bitmask.dtype}')
+    if bitmask.shape[-1] * 32 < vocab_size:
+        raise ValueError(f'bitmask has {bitmask.shape[-1]} words, which cover {bitmask.shape[-1] * 32} tokens, '
+                         f'fewer than vocab_size={vocab_size}')
+    rows = bitmask.reshape(-1, bitmask.shape[-1])
+    bits = (rows.unsqueeze(-1) >> _shifts(bitmask.device)) & 1
+    return bits.reshape(rows.shape[0], -1)[:, :vocab_size].bool()
+
+
+def pack_bool_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """Pack a bool mask ``(rows, vocab_size)`` into an int32 bitmask ``(rows, ceil(vocab_size / 32))``.
+
+    Bits past ``vocab_size`` in the last word are set, as xgrammar sets them.
+    """
+    rows, vocab_size = allowed.shape
+    words = bitmask_words(vocab_size)
+    padded = torch.ones((rows, words * 32), dtype=torch.int64, device=allowed.device)
+    padded[:, :vocab_size] = allowed.to(torch.int64)
+    shifts = _shifts(allowed.device).to(torch.int64)
+    packed = (padded.view(rows, words, 32) << shifts).sum(-1)
+    # Bit 31 set makes the int64 sum exceed int32: wrap it to the two's-complement int32 value.
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def apply_bitmask_(logits: torch.Tensor,
+                   bitmask: torch.Tensor,
+                   *,
+                   rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """Set the logits of disallowed tokens to ``-inf`` in place.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``(num_rows, vocab)`` logits on any device, any floating dtype. Columns beyond what the bitmask covers
+        (padding of the model's vocabulary) are disallowed as well.
+    bitmask : torch.Tensor
+        ``(num_rows, words)`` int32 bitmask, on any device; it is copied to the logits' device without blocking.
+    rows : sequence of int or LongTensor, optional
+        Only these rows of ``logits`` (and of ``bitmask``) are masked; the default masks every row, and then both
+        must have the same number of rows.
+
+    Returns
+    -------
+    torch.Tensor
+        ``logits``, modified in place.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2:
+        raise ValueError(f'logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must both be 2-D')
+    if rows is None and logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f'logits have {logits.shape[0]} rows and bitmask {bitmask.shape[0]}; pass rows= to mask '
+                         'a subset')
+    if rows is not None and len(rows) == 0:
+        return logits
+    device = logits.device
+    bitmask = bitmask.to(device, non_blocking=True)
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if device.type == 'cuda' and covered == vocab and logits.is_contiguous():
+        indices = None if rows is None else [int(r) for r in rows]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
+        return logits
+    # On the CPU, unpacking with torch and masked_fill_ is faster than xgrammar's CPU kernel for sparse masks;
+    # it also serves any other device.
+    if rows is None:
+        allowed = unpack_bitmask(bitmask, covered)
+        logits[:, :covered].masked_fill_(~allowed, float('-inf'))
+        logits[:, covered:] = float('-inf')
+    else:
+        index = torch.as_tensor(rows, dtype=torch.long, device=device)
+        allowed = unpack_bitmask(bitmask.index_select(0, index), covered)
+        sub = logits.index_select(0, index)
+        sub[:, :covered].masked_fill_(~allowed, float('-inf'))
+        sub[:, covered:] = float('-inf')
+        logits.index_copy_(0, index, sub)
+    return logits

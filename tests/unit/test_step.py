@@ -1,0 +1,256 @@
+"""Draft forks, position-serial verification masks and commits with real tokenizers and real grammars."""
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
+from lmdeploy_guided_spec import SpecGrammarManager, commit, unpack_bitmask, verification_bitmask
+from lmdeploy_guided_spec import testing
+from lmdeploy_guided_spec.step import DraftGrammar
+
+pytestmark = pytest.mark.unit
+
+
+def _vocab(name):
+    return testing.TOKENIZERS[name].model_vocab_size
+
+
+def _path(name, text):
+    return testing.load_tokenizer(name).encode(text, add_special_tokens=False)
+
+
+def _state_after(compiled, tokens):
+    m = new_matcher(compiled)
+    for t in tokens:
+        assert m.accept_token(t)
+    return m
+
+
+def _random_drafts(rng, path, start, k, vocab):
+    """A draft window: a valid continuation, corrupted at a random position (or not at all)."""
+    drafts = list(path[start:start + k])
+    drafts += [rng.randrange(vocab) for _ in range(k - len(drafts))]
+    bad = rng.randrange(k + 1)
+    if bad < k:
+        drafts[bad] = rng.randrange(vocab)
+    return drafts
+
+
+@pytest.mark.parametrize('schema', sorted(SCHEMAS))
+def test_verification_rows_equal_serial_reference(tokenizer_name, schema):
+    """Row i of each request equals a fresh matcher advanced by drafts 0..i-1; later rows allow everything."""
+    rng = random.Random(schema)
+    vocab = _vocab(tokenizer_name)
+    compiled = compile_schema(tokenizer_name, SCHEMAS[schema])
+    path = _path(tokenizer_name, dumps(INSTANCES[schema][0]))
+    k = 4
+    for _ in range(6):
+        starts = [rng.randrange(len(path)) for _ in range(3)]
+        matchers = {0: _state_after(compiled, path[:starts[0]]), 2: _state_after(compiled, path[:starts[2]])}
+        drafts = [_random_drafts(rng, path, s, k, vocab) for s in starts]
+        before = {r: testing.allowed_tokens(m, vocab) for r, m in matchers.items()}
+        allowed = unpack_bitmask(verification_bitmask(matchers, torch.tensor(drafts), vocab), vocab).view(3, k + 1, -1)
+        assert allowed[1].all(), 'unguided rows must stay unconstrained'
+        for row, m in matchers.items():
+            ref = m.fork()
+            for i in range(k + 1):
+                assert torch.equal(allowed[row, i], testing.allowed_tokens(ref, vocab)), (row, i)
+                if i == k or not ref.accept_token(drafts[row][i]):
+                    break
+            assert allowed[row, i + 1:].all(), 'positions after a rejected draft are unreachable'
+            # the committed matcher did not move
+            assert torch.equal(testing.allowed_tokens(m, vocab), before[row])
+
+
+def test_commit_advances_exactly_the_accepted_tokens(llama3):
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    matchers = {0: new_matcher(compiled), 1: new_matcher(compiled)}
+    out = torch.tensor([path[:3] + [-1, -1], path[:5]])
+    assert commit(matchers, out) == {0: 3, 1: 5}
+    # each committed matcher is now in the state of a fresh matcher fed those tokens
+    for row, n in ((0, 3), (1, 5)):
+        assert torch.equal(testing.allowed_tokens(matchers[row], 128256),
+                           testing.allowed_tokens(_state_after(compiled, path[:n]), 128256))
+
+
+def test_commit_stops_at_termination(llama3):
+    tok = testing.load_tokenizer(llama3)
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    m = _state_after(compiled, path[:-1])
+    accepted = commit({0: m}, [[path[-1], tok.eos_token_id, path[0]]])
+    assert accepted == {0: 1} and m.is_terminated()
+
+
+def test_commit_of_a_rejected_token_keeps_state(llama3, caplog):
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    m = new_matcher(compiled)
+    before = testing.allowed_tokens(m, 128256)
+    bad = int((~before).nonzero()[0])
+    assert commit({0: m}, [[bad]]) == {0: 0}
+    assert 'Please file an issue' in caplog.text
+    assert torch.equal(testing.allowed_tokens(m, 128256), before)
+
+
+@pytest.mark.parametrize('regex', sorted(REGEXES))
+def test_regex_verification(llama3, regex):
+    compiled = compile_regex(llama3, REGEXES[regex])
+    for text in REGEX_INSTANCES[regex]:
+        path = _path(llama3, text)
+        drafts = (path + [0] * 3)[:3]
+        allowed = unpack_bitmask(verification_bitmask({0: new_matcher(compiled)}, [drafts], 128256), 128256)
+        for i in range(min(3, len(path))):
+            assert allowed[i, path[i]], 'each valid next token is allowed at its position'
+
+
+def test_draft_grammar_masks_and_forks(tokenizer_name):
+    """Masked argmax drafts are always grammar-valid; the committed matcher never moves."""
+    vocab = _vocab(tokenizer_name)
+    compiled = compile_schema(tokenizer_name, SCHEMAS['nested_order'])
+    committed = {0: new_matcher(compiled), 1: new_matcher(compiled)}
+    draft = DraftGrammar(committed, batch_size=3, vocab_size=vocab)
+    chosen = [[], [], []]
+    for _ in range(12):
+        logits = torch.randn(3, vocab)
+        unguided_before = logits[2].clone()
+        draft.mask_logits_(logits)
+        assert torch.equal(logits[2], unguided_before)
+        tokens = logits.argmax(-1, keepdim=True)
+        draft.advance(tokens)
+        for r in range(3):
+            chosen[r].append(int(tokens[r]))
+    assert not draft.dead
+    for r in (0, 1):
+        assert testing.allowed_tokens(committed[r], vocab).sum() == testing.allowed_tokens(new_matcher(compiled),
+                                                                                            vocab).sum()
+        fresh = new_matcher(compiled)
+        assert all(fresh.accept_token(t) for t in chosen[r]), 'masked drafts must be grammar-valid'
+
+
+def test_draft_grammar_dead_row_stops_masking(llama3):
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    draft = DraftGrammar({0: new_matcher(compiled)}, batch_size=1, vocab_size=128256)
+    logits = torch.randn(1, 128256)
+    draft.mask_logits_(logits)
+    invalid = int(torch.isinf(logits[0]).nonzero()[0])
+    draft.advance([invalid])
+    assert draft.dead == {0}
+    logits = torch.randn(1, 128256)
+    draft.mask_logits_(logits)
+    assert torch.isfinite(logits).all()
+
+
+class _Target:
+    """A deterministic 'model': logits are a function of the prefix, biased toward a valid instance."""
+
+    def __init__(self, path, vocab, bias, seed):
+        self.path, self.vocab, self.bias, self.seed = path, vocab, bias, seed
+
+    def __call__(self, prefix):
+        g = torch.Generator().manual_seed(hash((self.seed, tuple(prefix))) % (2**31))
+        logits = torch.randn(self.vocab, generator=g)
+        n = len(prefix)
+        if self.bias and n < len(self.path) and list(prefix) == self.path[:n]:
+            logits[self.path[n]] += self.bias
+        return logits
+
+
+def _greedy_guided(target, compiled, vocab, eos, steps):
+    m, out = new_matcher(compiled), []
+    for _ in range(steps):
+        logits = target(out).unsqueeze(0)
+        mgr = SpecGrammarManager(vocab)
+        mgr.apply_(logits, mgr.next_token_bitmask({0: m}, 1), {0: m})
+        t = int(logits.argmax())
+        out.append(t)
+        m.accept_token(t)
+        if t == eos:
+            break
+    return out
+
+
+def _greedy_guided_spec(target, draft_model, compiled, vocab, eos, steps, k):
+    """The speculative loop as the patched engine runs it: masked drafts, masked verification, greedy accept."""
+    mgr = SpecGrammarManager(vocab)
+    matchers = {0: new_matcher(compiled)}
+    out, forwards = [], 0
+    while len(out) < steps and (not out or out[-1] != eos):
+        draft = mgr.begin_draft(matchers, 1)
+        drafts = []
+        for _ in range(k):
+            logits = draft_model(out + drafts).unsqueeze(0)
+            draft.mask_logits_(logits)
+            drafts.append(int(logits.argmax()))
+            draft.advance([drafts[-1]])
+        logits = torch.stack([target(out + drafts[:i]) for i in range(k + 1)])
+        mgr.apply_(logits, mgr.verification_bitmask(matchers, [drafts]), matchers, k + 1)
+        forwards += 1
+        picks = logits.argmax(-1).tolist()
+        accepted = []
+        for i in range(k + 1):
+            accepted.append(picks[i])
+            if i == k or picks[i] != drafts[i]:
+                break
+        mgr.commit(matchers, [accepted])
+        out += accepted
+    # as the engine's stopping criteria do: cut at EOS and at the token budget
+    if eos in out:
+        out = out[:out.index(eos) + 1]
+    return out[:steps], forwards
+
+
+@pytest.mark.parametrize('schema', sorted(SCHEMAS))
+@pytest.mark.parametrize('bias', [0.0, 8.0])
+def test_greedy_speculative_equals_greedy(llama3, schema, bias):
+    """Contract rules 1 and 2 on the core alone: same tokens, and a fresh matcher accepts them."""
+    tok = testing.load_tokenizer(llama3)
+    vocab = 128256
+    compiled = compile_schema(llama3, SCHEMAS[schema])
+    path = _path(llama3, dumps(INSTANCES[schema][0])) + [tok.eos_token_id]
+    target = _Target(path, vocab, bias, seed=1)
+    draft_model = _Target(path, vocab, bias * 0.6, seed=2)  # a worse model: some drafts get rejected
+    steps = len(path) + 4 if bias else 24
+    reference = _greedy_guided(target, compiled, vocab, tok.eos_token_id, steps)
+    spec, forwards = _greedy_guided_spec(target, draft_model, compiled, vocab, tok.eos_token_id, steps, k=3)
+    assert spec == reference
+    fresh = new_matcher(compiled)
+    assert all(fresh.accept_token(t) for t in spec if t != tok.eos_token_id)
+    if bias:
+        text = tok.decode(spec, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), SCHEMAS[schema])
+        assert forwards < len(spec), 'a draft that follows the target must save forwards'
+
+
+def test_manager_without_guided_rows_does_nothing(monkeypatch):
+    import lmdeploy_guided_spec.step as step
+
+    def _no_alloc(*args, **kwargs):
+        raise AssertionError('no allocation expected for an unguided batch')
+
+    monkeypatch.setattr(step, 'allocate_bitmask', _no_alloc)
+    mgr = SpecGrammarManager(128256)
+    logits = torch.randn(4, 128256)
+    before = logits.clone()
+    assert mgr.next_token_bitmask({}, 4) is None
+    assert mgr.verification_bitmask({}, torch.zeros(2, 3, dtype=torch.long)) is None
+    assert mgr.begin_draft({}, 2) is None
+    assert mgr.commit({}, torch.zeros(2, 4, dtype=torch.long)) == {}
+    mgr.apply_(logits, None, {}, 2)
+    assert torch.equal(logits, before)
+
+
+def test_fork_independence_with_xgrammar(llama3):
+    """The assumption the design rests on: a fork moves independently of its origin."""
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    m = new_matcher(compiled)
+    f = m.fork()
+    for t in path[:4]:
+        assert f.accept_token(t)
+    assert isinstance(f, xgr.GrammarMatcher)
+    assert torch.equal(testing.allowed_tokens(m, 128256), testing.allowed_tokens(new_matcher(compiled), 128256))
