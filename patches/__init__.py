@@ -1,0 +1,1 @@
+"""The lmdeploy patch series, shipped inside the wheel as package data."""
