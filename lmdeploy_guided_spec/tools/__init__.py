@@ -1,0 +1,1 @@
+"""Command-line tooling: patch an installed lmdeploy in place and maintain the patch series."""

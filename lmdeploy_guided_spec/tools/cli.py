@@ -1,0 +1,251 @@
+"""The ``lmdeploy-guided-spec`` command: patch an installed lmdeploy, undo it, inspect it, maintain the series.
+
+Exit codes: 0 ok, 1 check failed or series stale, 2 usage, 3 version mismatch, 4 files not pristine or modified,
+5 patch does not apply, 6 git missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..version import __version__
+from . import devseries, patcher
+from .patcher import COMMAND, PatchError
+
+__all__ = ['main', 'build_parser']
+
+
+class _Report:
+    """Counts warnings and errors so a failing run can end with patch-package's summary line."""
+
+    def __init__(self) -> None:
+        self.warnings = 0
+        self.errors = 0
+
+    def warn(self, message: str) -> None:
+        self.warnings += 1
+        print(f'warning: {message}', file=sys.stderr)
+
+    def error(self, message: str) -> None:
+        self.errors += 1
+        print(f'error: {message}', file=sys.stderr)
+
+    def summary(self) -> None:
+        print(f'finished with {self.warnings} warning(s), {self.errors} error(s)', file=sys.stderr)
+
+
+def _target(args: argparse.Namespace) -> patcher.Target:
+    return patcher.locate_installed(args.site)
+
+
+def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    result = patcher.apply(target, patcher.find_series(target.version), dry_run=args.dry_run)
+    for warning in result.warnings:
+        report.warn(warning)
+    if result.action == 'already applied':
+        print(f'{result.series} is already applied to lmdeploy {target.version} at {target.package_dir}; '
+              'nothing to do')
+        return 0
+    print(f'{result.action} {result.series} ({len(result.patches)} patch(es)) to lmdeploy {target.version} at '
+          f'{target.package_dir}')
+    for name in result.patches:
+        print(f'  {name}')
+    print(f'{"would write" if args.dry_run else "wrote"} {len(result.files)} file(s):')
+    for rel in result.files:
+        print(f'  {rel}')
+    if not args.dry_run:
+        print(f'state: {target.state_file}')
+        print(f'undo with: {COMMAND} revert')
+    return 0
+
+
+def _cmd_revert(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    result = patcher.revert(target, force=args.force)
+    for warning in result.warnings:
+        report.warn(warning)
+    if result.action == 'nothing to revert':
+        print(f'nothing to revert: lmdeploy {target.version} at {target.package_dir} carries no applied series')
+        return 0
+    print(f'reverted {result.series} ({len(result.patches)} patch(es)); restored {len(result.files)} file(s) of '
+          f'lmdeploy {target.version} to their pristine bytes:')
+    for rel in result.files:
+        print(f'  {rel}')
+    return 0
+
+
+_STATUS_FIX = {
+    'modified': f'{COMMAND} revert --force && {COMMAND} apply',
+    'stale': f'{COMMAND} revert && {COMMAND} apply',
+    'partially applied': f'{COMMAND} apply',
+}
+
+
+def _cmd_status(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    series_dir = patcher.find_series(target.version)
+    found = patcher.status(target, series_dir)
+    print(f'lmdeploy {found.installed_version} at {target.package_dir}')
+    print(f'series {series_dir.name} at {series_dir}')
+    if not found.version_matches:
+        report.warn(f'installed lmdeploy {found.installed_version} is not the series version {found.series_version}')
+    width = max([len('patch')] + [len(p.name) for p in found.patches])
+    print(f'{"patch":<{width}}  state')
+    for row in found.patches:
+        print(f'{row.name:<{width}}  {row.state}')
+    print('files:')
+    for row in found.files:
+        print(f'  {row.state:<9} {row.path}')
+    print(f'overall: {found.overall}')
+    if found.overall in _STATUS_FIX:
+        report.error(f'the installed lmdeploy is {found.overall}; to fix: {_STATUS_FIX[found.overall]}')
+        return 1
+    return 0
+
+
+def _cmd_dev_checkout(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    series_dir = patcher.series_path(target.version)
+    workdir = devseries.checkout(args.dir, target, series_dir)
+    count = len(patcher.load_series(series_dir).patches) if series_dir.is_dir() else 0
+    print(f'checked out pristine lmdeploy {target.version} with {count} patch commit(s) at {workdir}')
+    drift = devseries.export(workdir, series_dir, dry_run=True)
+    if drift:
+        report.warn(f'exporting the unchanged checkout would rewrite {", ".join(c.name for c in drift)}; this git '
+                    'formats patches differently from the one that produced the series')
+    print(f'edit the commits after the `{devseries.PRISTINE_TAG}` tag (git commit --fixup, '
+          f'git rebase -i --autosquash {devseries.PRISTINE_TAG}), then run: {COMMAND} dev-export {workdir}')
+    return 0
+
+
+def _cmd_dev_export(args: argparse.Namespace, report: _Report) -> int:
+    version = devseries.checkout_version(args.dir)
+    series_dir = patcher.series_path(version)
+    changes = devseries.export(args.dir, series_dir, dry_run=args.dry_run)
+    if not changes:
+        print(f'{series_dir} is up to date with {Path(args.dir).absolute()}')
+        return 0
+    if args.dry_run:
+        print(f'stale patches in {series_dir} (the checkout exports differently):')
+        for change in changes:
+            print(f'  {change.kind:<7} {change.name}')
+        report.error(f'the series is stale; to fix: {COMMAND} dev-export {args.dir}')
+        return 1
+    print(f'updated {series_dir}:')
+    for change in changes:
+        print(f'  {change.kind:<7} {change.name}')
+    return 0
+
+
+def _cmd_verify_series(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    series_dir = patcher.find_series(target.version)
+    try:
+        devseries.check_applies(series_dir, target)
+    except patcher.PatchDoesNotApplyError as err:
+        report.error(str(err))
+        return 1
+    count = len(patcher.load_series(series_dir).patches)
+    print(f'ok: the {count} patch(es) of {series_dir.name} apply in order to pristine lmdeploy {target.version}')
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace, report: _Report) -> int:
+    name = f'{__package__}.check'
+    try:
+        check = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:
+            raise
+        report.error(f'{name} is not part of this installation; to fix: pip install --force-reinstall '
+                     'lmdeploy-guided-spec')
+        return 2
+    return int(check.main(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of the ``lmdeploy-guided-spec`` command."""
+    parser = argparse.ArgumentParser(prog=COMMAND, description='Guided decoding with speculative decoding for the '
+                                     'lmdeploy PyTorch engine: patch the installed lmdeploy and maintain the series.')
+    parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
+    site = argparse.ArgumentParser(add_help=False)
+    site.add_argument('--site', type=Path, default=None, metavar='DIR',
+                      help='directory holding lmdeploy/ and its dist-info (default: the lmdeploy this Python imports)')
+    sub = parser.add_subparsers(dest='command', metavar='COMMAND')
+
+    p = sub.add_parser('apply', parents=[site], help='apply the patch series to the installed lmdeploy')
+    p.add_argument('--dry-run', action='store_true', help='check and patch in a temporary directory; write nothing')
+    p.set_defaults(handler=_cmd_apply)
+
+    p = sub.add_parser('revert', parents=[site], help='restore the pristine lmdeploy files')
+    p.add_argument('--force', action='store_true', help='also restore files changed after apply, discarding edits')
+    p.set_defaults(handler=_cmd_revert)
+
+    p = sub.add_parser('status', parents=[site], help='show which patches are applied and which files are patched')
+    p.set_defaults(handler=_cmd_status)
+
+    p = sub.add_parser('check', help='run guided speculative decoding on the installed lmdeploy and verify the output')
+    p.add_argument('--schema', type=Path, default=None, metavar='PATH', help='JSON schema file (default: built in)')
+    p.add_argument('--steps', type=int, default=40, metavar='N', help='decoding steps (default: 40)')
+    p.add_argument('--num-spec-tokens', type=int, default=3, metavar='K', help='draft tokens per step (default: 3)')
+    p.add_argument('--tokenizer', choices=['llama3', 'qwen3', 'deepseek'], default='llama3',
+                   help='tokenizer (default: llama3)')
+    p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
+    p.add_argument('--sampling', action='store_true', help='sample instead of greedy decoding')
+    p.set_defaults(handler=_cmd_check)
+
+    p = sub.add_parser('dev-checkout', parents=[site],
+                       help='create a git checkout of the pristine sources with the series as commits')
+    p.add_argument('dir', type=Path, metavar='DIR', help='new directory for the checkout')
+    p.set_defaults(handler=_cmd_dev_checkout)
+
+    p = sub.add_parser('dev-export', help='write the commits of a checkout back to the series as patch files')
+    p.add_argument('dir', type=Path, metavar='DIR', help='a checkout made by dev-checkout')
+    p.add_argument('--dry-run', action='store_true', help='write nothing; exit 1 and list stale patches on a change')
+    p.set_defaults(handler=_cmd_dev_export)
+
+    p = sub.add_parser('verify-series', parents=[site],
+                       help='check that the series applies to the pristine sources (git apply --check)')
+    p.set_defaults(handler=_cmd_verify_series)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments without the program name; default ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        Exit status: 0 ok, 1 check failed or stale, 2 usage, 3 version mismatch, 4 not pristine or modified,
+        5 patch does not apply, 6 git missing.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    report = _Report()
+    try:
+        code = args.handler(args, report)
+    except PatchError as err:
+        report.error(str(err))
+        code = err.exit_code
+    if code != 0 or report.warnings:
+        report.summary()
+    return code
+
+
+if __name__ == '__main__':
+    sys.exit(main())
