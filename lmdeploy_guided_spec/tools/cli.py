@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser('check', help='run guided speculative decoding on the installed lmdeploy and verify the output')
     p.add_argument('--schema', type=Path, default=None, metavar='PATH', help='JSON schema file (default: built in)')
-    p.add_argument('--steps', type=int, default=40, metavar='N', help='decoding steps (default: 40)')
+    p.add_argument('--steps', type=int, default=64, metavar='N', help='max new tokens per request (default: 64)')
+    p.add_argument('--method', choices=['deepseek_mtp', 'eagle3', 'all'], default='all',
+                   help='proposer to run (default: all)')
     p.add_argument('--num-spec-tokens', type=int, default=3, metavar='K', help='draft tokens per step (default: 3)')
     p.add_argument('--tokenizer', choices=['llama3', 'qwen3', 'deepseek'], default='llama3',
                    help='tokenizer (default: llama3)')
