@@ -20,7 +20,8 @@ setup(
     long_description_content_type='text/markdown',
     license='Apache-2.0',
     python_requires='>=3.10',
-    packages=find_packages(include=['lmdeploy_guided_spec', 'lmdeploy_guided_spec.*']) + ['lmdeploy_guided_spec._patches'],
+    packages=find_packages(include=['lmdeploy_guided_spec', 'lmdeploy_guided_spec.*'])
+    + ['lmdeploy_guided_spec._patches'],
     # The patch series lives at the repository root (patches/) and ships inside the package.
     package_dir={'lmdeploy_guided_spec._patches': 'patches'},
     package_data={'lmdeploy_guided_spec._patches': ['*.md', '*/*.patch', '*/*.json']},

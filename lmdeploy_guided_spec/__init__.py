@@ -1,17 +1,41 @@
 """Grammar-constrained output together with speculative decoding: the engine-agnostic core.
 
 This package imports torch and xgrammar, never lmdeploy; the lmdeploy wiring lives in the patch series and
-the command-line tooling in :mod:`lmdeploy_guided_spec.tools`.
+the command-line tooling in :mod:`lmdeploy_guided_spec.tools`. Names load on first use, so the command-line
+tool starts without importing torch.
 """
-from .bitmask import ALL_ALLOWED, allocate_bitmask, apply_bitmask_, bitmask_words, pack_bool_mask, unpack_bitmask
-from .errors import GuidedSpecError, VocabMapError
-from .manager import SpecGrammarManager
-from .step import DraftGrammar, commit, fill_bitmask, verification_bitmask
-from .version import __version__
-from .vocab_map import DraftVocabMap
+import importlib
 
-__all__ = [
-    'ALL_ALLOWED', 'allocate_bitmask', 'apply_bitmask_', 'bitmask_words', 'pack_bool_mask', 'unpack_bitmask',
-    'GuidedSpecError', 'VocabMapError', 'SpecGrammarManager', 'DraftGrammar', 'commit',
-    'fill_bitmask', 'verification_bitmask', 'DraftVocabMap', '__version__'
-]
+from .version import __version__
+
+_EXPORTS = {
+    'ALL_ALLOWED': 'bitmask',
+    'allocate_bitmask': 'bitmask',
+    'apply_bitmask_': 'bitmask',
+    'bitmask_words': 'bitmask',
+    'pack_bool_mask': 'bitmask',
+    'unpack_bitmask': 'bitmask',
+    'GuidedSpecError': 'errors',
+    'VocabMapError': 'errors',
+    'SpecGrammarManager': 'manager',
+    'DraftGrammar': 'step',
+    'commit': 'step',
+    'fill_bitmask': 'step',
+    'verification_bitmask': 'step',
+    'DraftVocabMap': 'vocab_map',
+}
+
+__all__ = [*_EXPORTS, '__version__']
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    value = getattr(importlib.import_module(f'.{module}', __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

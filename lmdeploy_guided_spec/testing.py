@@ -45,20 +45,20 @@ def _tokenizer_dir(name: str) -> Path:
     return Path(list(found.submodule_search_locations)[0]) / spec.subdir
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_tokenizer(name: str):
     """Load a real Hugging Face tokenizer by short name (``llama3``, ``qwen3``, ``deepseek``)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(_tokenizer_dir(name)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer_info(name: str) -> xgr.TokenizerInfo:
     """xgrammar TokenizerInfo for a test tokenizer, with the model's padded vocabulary size."""
     return xgr.TokenizerInfo.from_huggingface(load_tokenizer(name), vocab_size=TOKENIZERS[name].model_vocab_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grammar_compiler(name: str) -> xgr.GrammarCompiler:
     """A cached GrammarCompiler for a test tokenizer."""
     return xgr.GrammarCompiler(tokenizer_info(name))

@@ -6,10 +6,9 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-
 from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
-from lmdeploy_guided_spec import SpecGrammarManager, commit, unpack_bitmask, verification_bitmask
-from lmdeploy_guided_spec import testing
+
+from lmdeploy_guided_spec import SpecGrammarManager, commit, testing, unpack_bitmask, verification_bitmask
 from lmdeploy_guided_spec.step import DraftGrammar
 
 pytestmark = pytest.mark.unit

