@@ -4,23 +4,45 @@ Every method takes plain tensors, ints and a mapping ``batch row -> xgrammar.Gra
 requests (the engine owns the committed matchers). With an empty mapping every method returns at once and
 allocates nothing, so batches without a guided request pay nothing.
 
-Grammar work (``*_bitmask``, :meth:`commit`, :meth:`DraftGrammar.advance`) is CPU-bound and may run in a worker
-thread; applying masks (``apply_*``) touches device tensors and belongs on the thread that owns the stream.
+Grammar work runs on one worker thread in submission order (:class:`GrammarWorker`): the engine submits it and
+goes on launching device work; it waits only where a mask is needed. One speculative step then costs
+
+* drafting: per draft position, one wait for a bitmask the worker filled during the previous draft forward;
+* verification: no fill at all for windows this manager drafted (their masks are reused), one host-to-device
+  copy and one masking kernel;
+* commit: queued behind verification, overlapping the next window's first draft forward.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 import xgrammar as xgr
 
-from .bitmask import apply_bitmask_
-from .step import DraftGrammar, commit, fill_bitmask, verification_bitmask
+from .bitmask import allocate_bitmask, apply_bitmask_
+from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
+from .step import commit, fill_bitmask, verification_bitmask
 from .vocab_map import DraftVocabMap
+from .worker import GrammarWorker
 
 __all__ = ['SpecGrammarManager']
 
+logger = logging.getLogger('lmdeploy_guided_spec')
+
 Matchers = Mapping[int, xgr.GrammarMatcher]
+
+
+def _log_failure(future: concurrent.futures.Future) -> None:
+    # nobody waits on a queued commit: a failure must not pass silently
+    if not future.cancelled() and future.exception() is not None:
+        logger.error('grammar commit failed; guided requests may drift from their grammar. Please file an issue.',
+                     exc_info=future.exception())
+
+
+def _as_lists(token_ids) -> list:
+    return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else [list(r) for r in token_ids]
 
 
 class SpecGrammarManager:
@@ -30,35 +52,88 @@ class SpecGrammarManager:
     ----------
     vocab_size : int
         The target model's (padded) vocabulary size; every target bitmask covers it.
+    worker : GrammarWorker, optional
+        Where grammar work runs; a background thread by default.
+    pin_memory : bool, optional
+        Page-lock mask buffers; default: when CUDA is available.
+    batch_fill : bool, optional
+        Fill a draft position of many rows with one ``xgrammar.BatchGrammarMatcher`` call; default: on machines
+        with at least ``BATCH_FILL_MIN_CORES`` cores, where it is faster than a loop.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
+                 batch_fill: bool | None = None):
+        import os
         self.vocab_size = vocab_size
+        self.worker = worker or GrammarWorker()
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if batch_fill is None:
+            batch_fill = (os.cpu_count() or 1) >= BATCH_FILL_MIN_CORES
+        self._batch_matcher = xgr.BatchGrammarMatcher() if batch_fill else None
         self._vocab_maps: dict[int, DraftVocabMap] = {}
+        # session id -> (window, batch row): the masks a later verification step reuses
+        self._windows: dict[int, tuple[DraftGrammar, int]] = {}
 
-    # -- first token of a request (prefill) and plain one-token steps ------------------------------------------
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run grammar work on the worker, after everything submitted before."""
+        return self.worker.submit(fn, *args, **kwargs)
+
+    # -- first token of a request (prefill) -------------------------------------------------------------------
     def next_token_bitmask(self, matchers: Matchers, batch_size: int) -> torch.Tensor | None:
-        """Bitmask ``(batch_size, words)`` of the committed states, or None without guided rows."""
+        """Bitmask ``(batch_size, words)`` of the committed states, or None without guided rows (waits)."""
         if not matchers:
             return None
-        return fill_bitmask(matchers, batch_size, self.vocab_size)
+        return self.worker.run(fill_bitmask, matchers, batch_size, self.vocab_size)
 
     # -- verification -----------------------------------------------------------------------------------------
-    def verification_bitmask(self, matchers: Matchers,
-                             draft_token_ids: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor | None:
-        """Position-serial verification bitmask ``(batch * (k + 1), words)``, or None without guided rows.
+    def verification_bitmask(self, matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
+                             session_ids: Sequence[int] | None = None) -> torch.Tensor | None:
+        """Verification bitmask ``(batch * (k + 1), words)``, or None without guided rows (waits).
 
-        See :func:`lmdeploy_guided_spec.step.verification_bitmask`.
+        Row ``b * (k + 1) + i`` is the mask of request ``b`` after its draft tokens ``0..i-1``; unguided rows
+        and positions after a rejected draft allow every token. Rows of requests whose drafting window this
+        manager masked (found by ``session_ids``, with the same draft tokens) are that window's masks; the
+        others are filled from forks of the committed matchers (:func:`step.verification_bitmask`). Both give
+        identical bits.
         """
         if not matchers:
             return None
-        return verification_bitmask(matchers, draft_token_ids, self.vocab_size)
+        return self.worker.run(self._verification_bitmask, dict(matchers), draft_token_ids,
+                               list(session_ids) if session_ids is not None else None)
+
+    def _verification_bitmask(self, matchers: dict, draft_token_ids, session_ids) -> torch.Tensor:
+        drafts = _as_lists(draft_token_ids)
+        batch, width = len(drafts), len(drafts[0]) + 1
+        found: dict[int, tuple[DraftGrammar, int]] = {}
+        for row in matchers:
+            entry = self._windows.pop(session_ids[row], None) if session_ids is not None else None
+            if entry is None:
+                continue
+            window, wrow = entry
+            if window.num_spec_tokens + 1 == width and window.drafts[wrow] == drafts[row][:len(window.drafts[wrow])]:
+                found[row] = entry
+        if len(found) == len(matchers):
+            window = next(iter(found.values()))[0]
+            if window.batch_size == batch and all(w is window and wrow == row for row, (w, wrow) in found.items()):
+                # the common case, the batch of the drafting step: its buffer is the verification bitmask (rows
+                # of unguided requests are never applied)
+                return window.masks.view(batch * width, -1)
+        missing = {row: m for row, m in matchers.items() if row not in found}
+        if missing:
+            bitmask = verification_bitmask(missing, drafts, self.vocab_size)
+        else:
+            bitmask = allocate_bitmask(batch * width, self.vocab_size, pin_memory=self.pin_memory)
+        view = bitmask.view(batch, width, -1)
+        for row, (window, wrow) in found.items():
+            view[row] = window.masks[wrow]
+        return bitmask
 
     def apply_(self, logits: torch.Tensor, bitmask: torch.Tensor | None, matchers: Matchers,
                num_positions: int = 1) -> torch.Tensor:
         """Mask the rows of guided requests in ``logits`` ``(batch * num_positions, vocab)`` in place.
 
-        ``bitmask`` comes from :meth:`next_token_bitmask` (``num_positions=1``) or :meth:`verification_bitmask`
+        One host-to-device copy (non-blocking from page-locked memory) and one masking kernel. ``bitmask`` comes
+        from :meth:`next_token_bitmask` (``num_positions=1``) or :meth:`verification_bitmask`
         (``num_positions=k+1``); None leaves the logits untouched.
         """
         if bitmask is None or not matchers:
@@ -68,10 +143,18 @@ class SpecGrammarManager:
 
     # -- commit -----------------------------------------------------------------------------------------------
     def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, int]:
-        """Advance committed matchers by the accepted tokens (``-1`` ends a row); see :func:`step.commit`."""
+        """Advance committed matchers by the accepted tokens (``-1`` ends a row) and wait; see :func:`step.commit`."""
         if not matchers:
             return {}
-        return commit(matchers, token_ids)
+        return self.worker.run(commit, dict(matchers), token_ids)
+
+    def commit_async(self, matchers: Matchers, token_ids: torch.Tensor | Sequence) -> concurrent.futures.Future | None:
+        """Queue the commit; the device-to-host read of ``token_ids`` happens on the worker. None without rows."""
+        if not matchers:
+            return None
+        future = self.worker.submit(commit, dict(matchers), token_ids)
+        future.add_done_callback(_log_failure)
+        return future
 
     # -- drafting ---------------------------------------------------------------------------------------------
     def vocab_map(self, draft_id_to_target_id: torch.Tensor | None) -> DraftVocabMap | None:
@@ -84,9 +167,30 @@ class SpecGrammarManager:
             vocab_map = self._vocab_maps[key] = DraftVocabMap(draft_id_to_target_id, self.vocab_size)
         return vocab_map
 
-    def begin_draft(self, matchers: Matchers, batch_size: int, *,
+    def begin_draft(self, matchers: Matchers, batch_size: int, num_spec_tokens: int = 1, *,
+                    session_ids: Sequence[int] | None = None,
                     draft_id_to_target_id: torch.Tensor | None = None) -> DraftGrammar | None:
-        """Fork the committed matchers for one drafting window, or None without guided rows."""
+        """Fork the committed matchers for one drafting window (on the worker), or None without guided rows.
+
+        With ``session_ids`` the window's masks are kept for the next :meth:`verification_bitmask`.
+        """
         if not matchers:
             return None
-        return DraftGrammar(matchers, batch_size, self.vocab_size, vocab_map=self.vocab_map(draft_id_to_target_id))
+        window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens,
+                              vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
+                              session_ids=session_ids, pin_memory=self.pin_memory,
+                              batch_matcher=self._batch_matcher)
+        if session_ids is not None:
+            for row in matchers:
+                self._windows[session_ids[row]] = (window, row)
+        return window
+
+    def forget(self, session_ids: Sequence[int]) -> None:
+        """Drop kept windows of finished sessions."""
+        for session_id in session_ids:
+            self._windows.pop(session_id, None)
+
+    @property
+    def num_kept_windows(self) -> int:
+        """Sessions with a kept drafting window (for leak checks)."""
+        return len(self._windows)

@@ -1,4 +1,4 @@
-"""Grammar state of one speculative step: draft forks, verification masks and the commit.
+"""Grammar state of one speculative step: verification masks from forks, and the commit.
 
 Invariants
 ----------
@@ -16,10 +16,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import xgrammar as xgr
 
-from .bitmask import ALL_ALLOWED, allocate_bitmask, apply_bitmask_
-from .vocab_map import DraftVocabMap
+from .bitmask import allocate_bitmask
 
-__all__ = ['DraftGrammar', 'fill_bitmask', 'verification_bitmask', 'commit']
+__all__ = ['fill_bitmask', 'verification_bitmask', 'commit']
 
 logger = logging.getLogger('lmdeploy_guided_spec')
 
@@ -115,75 +114,3 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, 
             count += 1
         accepted[row] = count
     return accepted
-
-
-class DraftGrammar:
-    """Forks of the committed matchers that constrain the draft model during one speculative window.
-
-    Per draft position the proposer calls :meth:`mask_logits_` on the draft logits, picks tokens, then calls
-    :meth:`advance` with the chosen target-vocabulary ids. The committed matchers are never touched.
-
-    Parameters
-    ----------
-    matchers : mapping of batch row to GrammarMatcher
-        Committed matchers of the guided requests (already advanced by this step's accepted tokens).
-    batch_size : int
-        Rows of the draft batch.
-    vocab_size : int
-        Target vocabulary size.
-    vocab_map : DraftVocabMap, optional
-        For drafts with their own vocabulary; translates the target bitmask per position.
-    """
-
-    def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, *,
-                 vocab_map: DraftVocabMap | None = None):
-        self.batch_size = batch_size
-        self.vocab_size = vocab_size
-        self.vocab_map = vocab_map
-        self.forks = {row: matcher.fork() for row, matcher in matchers.items()}
-        # Rows whose fork rejected a draft token: later positions are never accepted, so stop masking them.
-        self.dead: set[int] = set()
-        self.bitmask = allocate_bitmask(batch_size, vocab_size)
-
-    @property
-    def rows(self) -> list[int]:
-        """Batch rows under grammar control."""
-        return sorted(self.forks)
-
-    def fill(self) -> torch.Tensor:
-        """Fill the target-vocabulary bitmask of every fork's current state; returns it (CPU, int32)."""
-        bitmask = self.bitmask
-        for row, fork in self.forks.items():
-            if row in self.dead:
-                bitmask[row] = ALL_ALLOWED
-            else:
-                fork.fill_next_token_bitmask(bitmask, row)
-        return bitmask
-
-    def mask_logits_(self, logits: torch.Tensor) -> torch.Tensor:
-        """Mask draft logits ``(rows, draft_vocab)`` in place with the forks' current states.
-
-        ``logits`` may have more rows than the batch (padding); only rows of live guided requests change.
-        """
-        bitmask = self.fill()
-        live = [row for row in sorted(self.forks) if row not in self.dead]
-        if not live:
-            return logits
-        if self.vocab_map is None:
-            return apply_bitmask_(logits, bitmask, rows=live)
-        index = torch.as_tensor(live, dtype=torch.long, device=logits.device)
-        sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), bitmask[live])
-        logits.index_copy_(0, index, sub)
-        return logits
-
-    def advance(self, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """Advance every live fork by its row's chosen draft token (target vocabulary)."""
-        rows = _as_rows(token_ids)
-        for row, fork in self.forks.items():
-            if row in self.dead:
-                continue
-            token = rows[row]
-            if isinstance(token, list):
-                token = token[0]
-            if not fork.accept_token(int(token)):
-                self.dead.add(row)

@@ -60,6 +60,22 @@ def test_greedy_equals_non_speculative_and_validates(method, schema):
     assert h.target_forwards < len(spec[0].tokens), 'accepted drafts must save target forwards'
 
 
+@pytest.mark.parametrize('name', ['qwen3', 'deepseek'])
+def test_greedy_other_tokenizers_and_padded_vocab(name):
+    """Qwen3 pads 151,669 tokens to 151,936 logits; DeepSeek has 129,280: masks cover the model's vocabulary."""
+    tok = testing.load_tokenizer(name)
+    vocab = testing.TOKENIZERS[name].model_vocab_size
+    path = instance_path(name, INSTANCES['escapes_unicode'][0])
+    target, draft = PrefixLM(vocab, path, bias=9.0, seed=1), PrefixLM(vocab, path, bias=4.0, seed=2)
+    formats = [_json_schema(SCHEMAS['escapes_unicode']), None]
+    spec, ref = _requests(formats), _requests(formats)
+    SpecHarness(tok, vocab, target, draft, num_spec_tokens=3).generate(spec)
+    run_non_speculative(tok, vocab, target, ref)
+    assert [r.tokens for r in spec] == [r.tokens for r in ref]
+    jsonschema.validate(json.loads(tok.decode(spec[0].tokens, skip_special_tokens=True)), SCHEMAS['escapes_unicode'])
+    assert all(t < len(tok) for t in spec[0].tokens), 'padding ids past the tokenizer are never emitted'
+
+
 @pytest.mark.parametrize('regex', sorted(REGEXES))
 def test_greedy_regex_and_unbiased_models(regex):
     """Random target and draft: the grammar alone keeps the output valid, and spec equals non-spec."""

@@ -9,7 +9,7 @@ import xgrammar as xgr
 from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
 
 from lmdeploy_guided_spec import SpecGrammarManager, commit, testing, unpack_bitmask, verification_bitmask
-from lmdeploy_guided_spec.step import DraftGrammar
+from lmdeploy_guided_spec.draft import DraftGrammar
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +112,7 @@ def test_draft_grammar_masks_and_forks(tokenizer_name):
     vocab = _vocab(tokenizer_name)
     compiled = compile_schema(tokenizer_name, SCHEMAS['nested_order'])
     committed = {0: new_matcher(compiled), 1: new_matcher(compiled)}
-    draft = DraftGrammar(committed, batch_size=3, vocab_size=vocab)
+    draft = DraftGrammar(committed, batch_size=3, vocab_size=vocab, num_spec_tokens=12)
     chosen = [[], [], []]
     for _ in range(12):
         logits = torch.randn(3, vocab)
@@ -133,7 +133,7 @@ def test_draft_grammar_masks_and_forks(tokenizer_name):
 
 def test_draft_grammar_dead_row_stops_masking(llama3):
     compiled = compile_schema(llama3, SCHEMAS['person'])
-    draft = DraftGrammar({0: new_matcher(compiled)}, batch_size=1, vocab_size=128256)
+    draft = DraftGrammar({0: new_matcher(compiled)}, batch_size=1, vocab_size=128256, num_spec_tokens=2)
     logits = torch.randn(1, 128256)
     draft.mask_logits_(logits)
     invalid = int(torch.isinf(logits[0]).nonzero()[0])
@@ -179,7 +179,7 @@ def _greedy_guided_spec(target, draft_model, compiled, vocab, eos, steps, k):
     matchers = {0: new_matcher(compiled)}
     out, forwards = [], 0
     while len(out) < steps and (not out or out[-1] != eos):
-        draft = mgr.begin_draft(matchers, 1)
+        draft = mgr.begin_draft(matchers, 1, k)
         drafts = []
         for _ in range(k):
             logits = draft_model(out + drafts).unsqueeze(0)

@@ -4,7 +4,8 @@ import torch
 from grammars import INSTANCES, SCHEMAS, compile_schema, dumps, new_matcher
 
 from lmdeploy_guided_spec import DraftVocabMap, SpecGrammarManager, VocabMapError, testing, unpack_bitmask
-from lmdeploy_guided_spec.step import DraftGrammar, fill_bitmask
+from lmdeploy_guided_spec.draft import DraftGrammar
+from lmdeploy_guided_spec.step import fill_bitmask
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +44,7 @@ def test_masked_eagle3_drafts_are_valid_target_tokens(llama3):
     path = tok.encode(dumps(INSTANCES['enum_prefixes'][0]), add_special_tokens=False)
     ids = _random_map(4096, seed=7, must_have=path)
     mgr = SpecGrammarManager(TARGET_VOCAB)
-    draft = mgr.begin_draft({0: new_matcher(compiled)}, 2, draft_id_to_target_id=ids)
+    draft = mgr.begin_draft({0: new_matcher(compiled)}, 2, 10, draft_id_to_target_id=ids)
     assert isinstance(draft, DraftGrammar) and draft.vocab_map is mgr.vocab_map(ids)
     chosen = []
     for _ in range(10):

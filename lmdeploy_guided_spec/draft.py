@@ -1,0 +1,154 @@
+"""Grammar state of one drafting window, filled one position ahead in a worker thread.
+
+Per draft position the proposer calls :meth:`DraftGrammar.mask_logits_` (waits for that position's bitmask,
+masks the draft logits) and :meth:`DraftGrammar.advance` with the chosen target ids (returns at once; the
+worker reads the ids, advances the forks and fills the next position while the device runs the next draft
+forward). After the last draft token the worker fills one more position, the bonus position, so the window
+holds exactly the ``num_spec_tokens + 1`` verification masks of the next target step: verification mask ``i``
+is the state after draft tokens ``0..i-1``, which is the state draft position ``i`` was masked with.
+
+All masks live in one host buffer ``(batch, num_spec_tokens + 1, words)`` (page-locked when a GPU is present),
+so verification needs one host-to-device copy and one masking kernel.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import xgrammar as xgr
+
+from .bitmask import allocate_bitmask, apply_bitmask_
+from .vocab_map import DraftVocabMap
+from .worker import GrammarWorker
+
+__all__ = ['DraftGrammar', 'BATCH_FILL_MIN_ROWS']
+
+Matchers = Mapping[int, xgr.GrammarMatcher]
+
+#: Live rows from which one BatchGrammarMatcher call fills a position instead of a Python loop; it pays only with
+#: enough cores (see benchmarks/mask_overhead.py), so it is used when os.cpu_count() >= BATCH_FILL_MIN_CORES.
+BATCH_FILL_MIN_ROWS = 16
+BATCH_FILL_MIN_CORES = 8
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) else value
+
+
+class DraftGrammar:
+    """Forks of the committed matchers that constrain one drafting window.
+
+    Parameters
+    ----------
+    matchers : mapping of batch row to GrammarMatcher
+        Committed matchers of the guided requests. They are forked on the worker, after every job submitted
+        earlier (the commit of this step's accepted tokens); the committed matchers are never advanced here.
+    batch_size : int
+        Rows of the draft batch.
+    vocab_size : int
+        Target vocabulary size.
+    num_spec_tokens : int
+        Draft positions of the window; the buffer holds one more (the bonus position).
+    vocab_map : DraftVocabMap, optional
+        For drafts with their own vocabulary.
+    worker : GrammarWorker, optional
+        Where grammar work runs; a private inline worker (synchronous) by default.
+    session_ids : sequence of int, optional
+        Session of every batch row, so a later step finds this window's masks whatever its batch order.
+    pin_memory : bool, default: False
+        Page-lock the mask buffer for non-blocking host-to-device copies.
+    batch_matcher : xgrammar.BatchGrammarMatcher, optional
+        Fill a position of many rows in one call (multi-threaded in xgrammar).
+    """
+
+    def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
+                 vocab_map: DraftVocabMap | None = None, worker: GrammarWorker | None = None,
+                 session_ids: Sequence[int] | None = None, pin_memory: bool = False,
+                 batch_matcher: xgr.BatchGrammarMatcher | None = None):
+        self.batch_size = batch_size
+        self.vocab_size = vocab_size
+        self.num_spec_tokens = num_spec_tokens
+        self.vocab_map = vocab_map
+        self.worker = worker or GrammarWorker(inline=True)
+        self.session_ids = list(session_ids) if session_ids is not None else None
+        self.rows = sorted(matchers)
+        self.batch_matcher = batch_matcher
+        self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
+                                      pin_memory=pin_memory).view(batch_size, num_spec_tokens + 1, -1)
+        self.forks: dict[int, xgr.GrammarMatcher] = {}
+        # Rows whose fork rejected a draft token: later positions are never accepted, so they stay all-allowed.
+        self.dead: set[int] = set()
+        self.drafts: dict[int, list[int]] = {row: [] for row in self.rows}
+        self.position = 0
+        self._live_at: list[list[int]] = []
+        self._pending = self.worker.submit(self._start, dict(matchers))
+
+    # -- worker side ----------------------------------------------------------------------------------------
+    def _start(self, matchers: dict) -> None:
+        self.forks = {row: matchers[row].fork() for row in self.rows}
+        self._fill(0)
+
+    def _fill(self, position: int) -> None:
+        live = [row for row in self.rows if row not in self.dead]
+        self._live_at.append(live)
+        flat = self.masks.view(-1, self.masks.shape[-1])
+        width = self.num_spec_tokens + 1
+        if self.batch_matcher is not None and len(live) >= BATCH_FILL_MIN_ROWS:
+            self.batch_matcher.batch_fill_next_token_bitmask([self.forks[r] for r in live], flat,
+                                                             [r * width + position for r in live])
+        else:
+            for row in live:
+                self.forks[row].fill_next_token_bitmask(flat, row * width + position)
+
+    def _advance(self, token_ids, position: int) -> None:
+        rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        for row in self.rows:
+            if row in self.dead:
+                continue
+            token = int(_first(rows[row]))
+            self.drafts[row].append(token)
+            if not self.forks[row].accept_token(token):
+                self.dead.add(row)
+        self._fill(position + 1)
+
+    # -- engine side ----------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait until every submitted job of this window is done (re-raises a worker error)."""
+        self._pending.result()
+
+    def mask_logits_(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask draft logits ``(rows, draft_vocab)`` of the current position in place.
+
+        ``logits`` may have more rows than the batch (padding); only rows of live guided requests change.
+        """
+        self.wait()
+        if self.position > self.num_spec_tokens:
+            raise RuntimeError(f'the window has {self.num_spec_tokens} draft positions; mask_logits_ was called '
+                               'after the last one')
+        live = self._live_at[self.position]
+        if not live:
+            return logits
+        masks = self.masks[:, self.position]
+        if self.vocab_map is None:
+            return apply_bitmask_(logits, masks, rows=live)
+        index = torch.as_tensor(live, dtype=torch.long, device=logits.device)
+        sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), masks[live])
+        logits.index_copy_(0, index, sub)
+        return logits
+
+    def advance(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """Advance the forks by the chosen draft tokens (target ids) and fill the next position, on the worker.
+
+        Returns at once; the device-to-host read of ``token_ids`` happens on the worker.
+        """
+        position = self.position
+        self.position += 1
+        self._pending = self.worker.submit(self._advance, token_ids, position)
+
+    def verification_masks(self) -> torch.Tensor:
+        """The ``(batch, num_spec_tokens + 1, words)`` masks once every position is filled (waits)."""
+        self.wait()
+        if self.position != self.num_spec_tokens:
+            raise RuntimeError(f'verification needs all {self.num_spec_tokens} draft positions, '
+                               f'the window has {self.position}')
+        return self.masks
