@@ -1,8 +1,9 @@
 """Scripted target and draft models for the engine tests: logits as a function of the token prefix."""
 import torch
-from grammars import dumps
 
 from lmdeploy_guided_spec import testing
+
+from grammars import dumps
 
 
 class PrefixLM:

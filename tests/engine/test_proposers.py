@@ -1,13 +1,14 @@
 """Proposers' get_outputs with draft logits from a small stub module, with and without a DraftGrammar."""
 import pytest
 import torch
-from grammars import SCHEMAS, compile_schema, new_matcher
 from lmdeploy.pytorch.config import SpecDecodeConfig
 from lmdeploy.pytorch.model_inputs import ModelInputs
 from lmdeploy.pytorch.spec_decode.proposers.base import build_specdecode_proposer
 from lmdeploy.pytorch.strategies.ar_spec.model_agent import ARSpecExtraInputs
 
 from lmdeploy_guided_spec import SpecGrammarManager, testing
+
+from grammars import SCHEMAS, compile_schema, new_matcher
 
 pytestmark = pytest.mark.engine
 

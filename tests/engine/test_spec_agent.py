@@ -3,11 +3,12 @@ import json
 
 import jsonschema
 import pytest
-from grammars import INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, new_matcher
-from models import DraftOverMap, PrefixLM, draft_map, instance_path
 
 from lmdeploy_guided_spec import SpecGrammarManager, testing
 from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, run_non_speculative
+
+from grammars import INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, new_matcher
+from models import DraftOverMap, PrefixLM, draft_map, instance_path
 
 pytestmark = pytest.mark.engine
 

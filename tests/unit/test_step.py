@@ -6,10 +6,11 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
 
 from lmdeploy_guided_spec import SpecGrammarManager, commit, testing, unpack_bitmask, verification_bitmask
 from lmdeploy_guided_spec.draft import DraftGrammar
+
+from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
 
 pytestmark = pytest.mark.unit
 

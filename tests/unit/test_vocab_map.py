@@ -1,11 +1,12 @@
 """Eagle3-style draft vocabularies: target bitmask -> draft mask, on real grammar states."""
 import pytest
 import torch
-from grammars import INSTANCES, SCHEMAS, compile_schema, dumps, new_matcher
 
 from lmdeploy_guided_spec import DraftVocabMap, SpecGrammarManager, VocabMapError, testing, unpack_bitmask
 from lmdeploy_guided_spec.draft import DraftGrammar
 from lmdeploy_guided_spec.step import fill_bitmask
+
+from grammars import INSTANCES, SCHEMAS, compile_schema, dumps, new_matcher
 
 pytestmark = pytest.mark.unit
 
