@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -59,6 +60,10 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise ValueError(f'bitmask has {bitmask.shape[-1]} words, which cover {bitmask.shape[-1] * 32} tokens, '
                          f'fewer than vocab_size={vocab_size}')
     rows = bitmask.reshape(-1, bitmask.shape[-1])
+    if rows.device.type == 'cpu':
+        # numpy's unpackbits is some fifty times faster than shifting int32 words in torch
+        bits = np.unpackbits(rows.contiguous().numpy().view(np.uint8), axis=1, bitorder='little')[:, :vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
     bits = (rows.unsqueeze(-1) >> _shifts(bitmask.device)) & 1
     return bits.reshape(rows.shape[0], -1)[:, :vocab_size].bool()
 

@@ -18,6 +18,7 @@ import torch
 import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
+from .sparse import SparseMaskBuilder, SparseRows
 from .vocab_map import DraftVocabMap
 from .worker import GrammarWorker
 
@@ -59,12 +60,16 @@ class DraftGrammar:
         Page-lock the mask buffer for non-blocking host-to-device copies.
     batch_matcher : xgrammar.BatchGrammarMatcher, optional
         Fill a position of many rows in one call (multi-threaded in xgrammar).
+    sparse : SparseMaskBuilder, optional
+        Also turn every filled position into :class:`SparseRows` on the worker (for logits on the CPU, where
+        applying a dense bitmask costs more than filling it).
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
                  vocab_map: DraftVocabMap | None = None, worker: GrammarWorker | None = None,
                  session_ids: Sequence[int] | None = None, pin_memory: bool = False,
-                 batch_matcher: xgr.BatchGrammarMatcher | None = None):
+                 batch_matcher: xgr.BatchGrammarMatcher | None = None,
+                 sparse: SparseMaskBuilder | None = None):
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -80,7 +85,10 @@ class DraftGrammar:
         self.dead: set[int] = set()
         self.drafts: dict[int, list[int]] = {row: [] for row in self.rows}
         self.position = 0
+        self.sparse = sparse
         self._live_at: list[list[int]] = []
+        self._draft_sparse: list[SparseRows] = []
+        self._verify_sparse: list[SparseRows] = []
         self._pending = self.worker.submit(self._start, dict(matchers))
 
     # -- worker side ----------------------------------------------------------------------------------------
@@ -99,6 +107,13 @@ class DraftGrammar:
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)
+        if self.sparse is not None:
+            # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
+            # verification logits
+            draft, verify = self.sparse.build(self.masks[live, position], live,
+                                              [row * width + position for row in live])
+            self._draft_sparse.append(draft)
+            self._verify_sparse.append(verify)
 
     def _advance(self, token_ids, position: int) -> None:
         rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
@@ -130,6 +145,8 @@ class DraftGrammar:
             return logits
         masks = self.masks[:, self.position]
         if self.vocab_map is None:
+            if self.sparse is not None and logits.shape[-1] == self.vocab_size:
+                return self._draft_sparse[self.position].apply_(logits)
             return apply_bitmask_(logits, masks, rows=live)
         index = torch.as_tensor(live, dtype=torch.long, device=logits.device)
         sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), masks[live])
@@ -145,10 +162,16 @@ class DraftGrammar:
         self.position += 1
         self._pending = self.worker.submit(self._advance, token_ids, position)
 
-    def verification_masks(self) -> torch.Tensor:
-        """The ``(batch, num_spec_tokens + 1, words)`` masks once every position is filled (waits)."""
+    def verification_masks(self) -> torch.Tensor | SparseRows:
+        """The verification masks once every position is filled (waits).
+
+        :class:`SparseRows` addressing the flattened ``(batch * (k + 1), vocab)`` target logits when the window is
+        sparse, else the ``(batch * (k + 1), words)`` bitmask.
+        """
         self.wait()
         if self.position != self.num_spec_tokens:
             raise RuntimeError(f'verification needs all {self.num_spec_tokens} draft positions, '
                                f'the window has {self.position}')
-        return self.masks
+        if self.sparse is not None:
+            return SparseRows.concat(self._verify_sparse)
+        return self.masks.view(self.batch_size * (self.num_spec_tokens + 1), -1)

@@ -23,6 +23,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
+from .sparse import SparseMaskBuilder, SparseRows
 from .step import commit, fill_bitmask, verification_bitmask
 from .vocab_map import DraftVocabMap
 from .worker import GrammarWorker
@@ -59,14 +60,20 @@ class SpecGrammarManager:
     batch_fill : bool, optional
         Fill a draft position of many rows with one ``xgrammar.BatchGrammarMatcher`` call; default: on machines
         with at least ``BATCH_FILL_MIN_CORES`` cores, where it is faster than a loop.
+    sparse_masks : bool, optional
+        Prepare masks of drafting windows as :class:`SparseRows` on the worker; default: without CUDA, where
+        logits live on the CPU and applying a dense bitmask is the expensive part.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
-                 batch_fill: bool | None = None):
+                 batch_fill: bool | None = None, sparse_masks: bool | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if sparse_masks is None:
+            sparse_masks = not torch.cuda.is_available()
+        self._sparse = SparseMaskBuilder(vocab_size) if sparse_masks else None
         if batch_fill is None:
             batch_fill = (os.cpu_count() or 1) >= BATCH_FILL_MIN_CORES
         self._batch_matcher = xgr.BatchGrammarMatcher() if batch_fill else None
@@ -87,8 +94,10 @@ class SpecGrammarManager:
 
     # -- verification -----------------------------------------------------------------------------------------
     def verification_bitmask(self, matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
-                             session_ids: Sequence[int] | None = None) -> torch.Tensor | None:
-        """Verification bitmask ``(batch * (k + 1), words)``, or None without guided rows (waits).
+                             session_ids: Sequence[int] | None = None) -> torch.Tensor | SparseRows | None:
+        """Verification masks for :meth:`apply_`, or None without guided rows (waits).
+
+        A bitmask ``(batch * (k + 1), words)``, or the window's :class:`SparseRows` with ``sparse_masks``.
 
         Row ``b * (k + 1) + i`` is the mask of request ``b`` after its draft tokens ``0..i-1``; unguided rows
         and positions after a rejected draft allow every token. Rows of requests whose drafting window this
@@ -115,9 +124,9 @@ class SpecGrammarManager:
         if len(found) == len(matchers):
             window = next(iter(found.values()))[0]
             if window.batch_size == batch and all(w is window and wrow == row for row, (w, wrow) in found.items()):
-                # the common case, the batch of the drafting step: its buffer is the verification bitmask (rows
-                # of unguided requests are never applied)
-                return window.masks.view(batch * width, -1)
+                # the common case, the batch of the drafting step: its masks are the verification masks (rows of
+                # unguided requests are never applied)
+                return window.verification_masks()
         missing = {row: m for row, m in matchers.items() if row not in found}
         if missing:
             bitmask = verification_bitmask(missing, drafts, self.vocab_size)
@@ -138,6 +147,8 @@ class SpecGrammarManager:
         """
         if bitmask is None or not matchers:
             return logits
+        if isinstance(bitmask, SparseRows):
+            return bitmask.apply_(logits)
         rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
         return apply_bitmask_(logits, bitmask, rows=rows)
 
@@ -179,7 +190,7 @@ class SpecGrammarManager:
         window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens,
                               vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
-                              batch_matcher=self._batch_matcher)
+                              batch_matcher=self._batch_matcher, sparse=self._sparse)
         if session_ids is not None:
             for row in matchers:
                 self._windows[session_ids[row]] = (window, row)

@@ -67,3 +67,34 @@ def test_apply_bf16_and_bad_shapes():
         unpack_bitmask(torch.zeros(1, 26, dtype=torch.int64), 817)
     with pytest.raises(ValueError, match='cover'):
         unpack_bitmask(torch.zeros(1, 2, dtype=torch.int32), 817)
+
+
+@pytest.mark.parametrize('vocab__covered', [(817, 817), (1000, 960), (32001, 32001)])
+def test_sparse_rows_apply_like_the_bitmask(vocab__covered):
+    from lmdeploy_guided_spec.sparse import sparse_rows
+    vocab, covered = vocab__covered
+    allowed = torch.rand(6, vocab) < 0.5
+    allowed[0] = torch.rand(vocab) < 0.01   # few allowed
+    allowed[1] = torch.rand(vocab) > 0.01   # few disallowed
+    allowed[2] = False
+    allowed[3] = True
+    bitmask = pack_bool_mask(allowed)[:, :bitmask_words(covered)]
+    logits = torch.randn(9, vocab)
+    rows = [1, 3, 4, 5, 7, 8]  # logits rows the six bitmask rows address
+    expected = logits.clone()
+    expected[rows] = apply_bitmask_(logits[rows].clone(), bitmask)
+    got = sparse_rows(bitmask, rows, vocab).apply_(logits.clone())
+    assert torch.equal(got, expected)
+    # non-contiguous logits; one builder addressing two row sets with the same masks, cached the second time
+    from lmdeploy_guided_spec.sparse import SparseMaskBuilder
+    builder = SparseMaskBuilder(vocab)
+    wide = torch.randn(9, vocab * 2)[:, ::2]
+    other = [2 * r % 9 for r in rows]
+    for _ in range(2):
+        first, second = builder.build(bitmask, rows, other)
+        expected = wide.clone()
+        expected[other] = apply_bitmask_(wide[other].clone(), bitmask)
+        assert torch.equal(second.apply_(wide.clone()), expected)
+        expected = logits.clone()
+        expected[rows] = apply_bitmask_(logits[rows].clone(), bitmask)
+        assert torch.equal(first.apply_(logits.clone()), expected)

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing, verification_bitmask
+from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, apply_bitmask_, testing, verification_bitmask
 
 from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
 
@@ -32,14 +32,26 @@ def _drafts(rng, path, start, k, eos):
     return drafts
 
 
+def _same_masks(manager, reused, reference, matchers, k):
+    """Reused masks (bitmask or SparseRows) mask guided rows exactly as the reference bitmask does."""
+    batch = reference.shape[0] // (k + 1)
+    rows = [b * (k + 1) + i for b in sorted(matchers) for i in range(k + 1)]
+    if isinstance(reused, torch.Tensor):
+        assert torch.equal(reused[rows], reference[rows])
+    logits = torch.randn(batch * (k + 1), V)
+    expected = apply_bitmask_(logits.clone(), reference, rows=rows)
+    assert torch.equal(manager.apply_(logits, reused, matchers, k + 1), expected)
+
+
 @pytest.mark.parametrize('k', [1, 3, 5])
-@pytest.mark.parametrize('threaded', [False, True])
-def test_window_masks_equal_reference(k, threaded):
+@pytest.mark.parametrize('threaded__sparse', [(False, False), (True, False), (True, True)])
+def test_window_masks_equal_reference(k, threaded__sparse):
+    threaded, sparse = threaded__sparse
     rng = random.Random(k)
     eos = testing.load_tokenizer(NAME).eos_token_id
     grammars = _grammars()
     worker = GrammarWorker(inline=not threaded)
-    manager = SpecGrammarManager(V, worker=worker, batch_fill=threaded)
+    manager = SpecGrammarManager(V, worker=worker, batch_fill=threaded, sparse_masks=sparse)
     for trial in range(8):
         batch = 6
         sessions = [100 * trial + b for b in range(batch)]
@@ -60,8 +72,7 @@ def test_window_masks_equal_reference(k, threaded):
             window.mask_logits_(torch.zeros(batch, V))
             window.advance(torch.tensor([[d[i]] for d in drafts]))
         reused = manager.verification_bitmask(matchers, torch.tensor(drafts), sessions)
-        rows = [b * (k + 1) + i for b in guided_rows for i in range(k + 1)]
-        assert torch.equal(reused[rows], reference[rows]), trial
+        _same_masks(manager, reused, reference, matchers, k)
         assert manager.num_kept_windows == 0, 'a verification consumes its windows'
     worker.shutdown()
 
@@ -82,7 +93,7 @@ def test_reordered_batch_and_unknown_sessions_fall_back():
     later_drafts = [drafts[2], [drafts[0][0], 5, 6], list(grammars[3][1][:k])]
     manager.forget([8])
     got = manager.verification_bitmask(later, later_drafts, [9, 7, 11])
-    assert torch.equal(got, verification_bitmask(later, later_drafts, V))
+    _same_masks(manager, got, verification_bitmask(later, later_drafts, V), later, k)
     assert manager.num_kept_windows == 0
 
 

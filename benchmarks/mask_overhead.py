@@ -1,0 +1,268 @@
+"""Grammar work per speculative step: the project's pipeline against the straightforward reference.
+
+Per speculative step with ``k`` draft tokens and a batch of ``B`` guided requests this runs, for real:
+
+* ``k`` draft forwards of a small draft model and one target forward over ``B x (k + 1)`` tokens (Llama
+  architecture built from config, random weights, the tokenizer's full vocabulary, fp32 on this CPU);
+* grammar work with real xgrammar grammars (JSON schemas and regexes) for a real tokenizer:
+
+  - **reference** (what a straightforward integration does): per draft position fill the forks' masks after the
+    draft logits exist, apply, pick, advance; after the target logits exist fork the committed matchers again,
+    then per position fill, copy and apply; commit after rejection;
+  - **project** (:class:`SpecGrammarManager`): fills run on the grammar worker one position ahead while the
+    draft forwards run, verification reuses the draft masks (only the bonus position is new and is filled during
+    the target forward), one copy and one masking call for all positions, the commit is queued;
+  - **unguided**: the same forwards and greedy picks without any grammar work (the baseline).
+
+Torch runs on one thread, standing in for the accelerator; the other core is free for the grammar worker, the way
+a host CPU works beside a GPU. Pipelines are interleaved within each repetition and the median is reported.
+
+Columns: ``grammar CPU`` is the time spent in grammar work (fills, accepts, commits, mask unpacking and applying)
+per step; ``exposed`` is how much longer a guided step takes than the unguided step (critical path).
+
+Last line: ``mask_exposed_ratio <project / reference exposed time, batch 32, 3 draft tokens, Qwen3>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, apply_bitmask_, testing
+from lmdeploy_guided_spec.step import commit, fill_bitmask, verification_bitmask
+
+DATA = Path(__file__).parent / 'data' / 'mask_overhead.json'
+
+
+class Timer:
+    """Sums the time spent in grammar work, on whichever thread it runs."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+        return timed
+
+
+class TimedWorker(GrammarWorker):
+    """A grammar worker whose jobs count as grammar work."""
+
+    def __init__(self, timer: Timer):
+        super().__init__()
+        self.timer = timer
+
+    def submit(self, fn, *args, **kwargs):
+        return super().submit(self.timer.wrap(fn), *args, **kwargs)
+
+
+def build_models(vocab_size: int, hidden: int, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+
+    def make(n_layers):
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=n_layers, num_attention_heads=max(2, hidden // 32),
+                          num_key_value_heads=max(1, hidden // 64), tie_word_embeddings=True)
+        return LlamaForCausalLM(cfg).eval()
+
+    return make(layers), make(1)
+
+
+class Workload:
+    """Requests of one benchmark cell: compiled grammars, start states and prefixes."""
+
+    def __init__(self, name: str, batch: int, seed: int, grammars: list[tuple[xgr.CompiledGrammar, list[int]]]):
+        rng = random.Random(seed)
+        self.items = [grammars[(seed + b) % len(grammars)] for b in range(batch)]
+        self.starts = [rng.randrange(max(1, len(path) - 4)) for _, path in self.items]
+
+    def matchers(self) -> dict[int, xgr.GrammarMatcher]:
+        out = {}
+        for b, ((compiled, path), start) in enumerate(zip(self.items, self.starts)):
+            m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            for t in path[:start]:
+                m.accept_token(t)
+            out[b] = m
+        return out
+
+    def prefixes(self) -> torch.Tensor:
+        width = 8
+        rows = [(path[max(0, s - width):s] + [0] * width)[:width] for (_, path), s in zip(self.items, self.starts)]
+        return torch.tensor(rows)
+
+
+def _accept_all(forks: dict, tokens: list[int]) -> None:
+    for row, fork in forks.items():
+        fork.accept_token(tokens[row])
+
+
+def _greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, k: int) -> torch.Tensor:
+    """Greedy rejection: accepted drafts plus the target token at the first mismatch (or the bonus); -1 pads."""
+    batch = drafts.shape[0]
+    picks = target_logits.view(batch, k + 1, -1).argmax(-1)
+    match = (picks[:, :k] == drafts).long().cumprod(-1)
+    n_acc = match.sum(-1)
+    out = torch.full((batch, k + 1), -1, dtype=torch.long)
+    for b in range(batch):
+        n = int(n_acc[b])
+        out[b, :n] = drafts[b, :n]
+        out[b, n] = picks[b, n]
+    return out
+
+
+class Runner:
+    """Runs ``steps`` speculative steps of one pipeline on one workload and times them."""
+
+    def __init__(self, target, draft, vocab_size: int, k: int):
+        self.target, self.draft, self.vocab_size, self.k = target, draft, vocab_size, k
+
+    def _draft_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.draft(ids, logits_to_keep=1).logits[:, -1].float()
+
+    def _target_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target(ids, logits_to_keep=self.k + 1).logits.reshape(-1, self.vocab_size).float()
+
+    @torch.inference_mode()
+    def run(self, mode: str, workload: Workload, steps: int) -> tuple[float, float]:
+        """(wall seconds per step, grammar seconds per step)."""
+        k = self.k
+        timer = Timer()
+        matchers = workload.matchers() if mode != 'unguided' else {}
+        ids = workload.prefixes()
+        batch = ids.shape[0]
+        sessions = list(range(batch))
+        manager = SpecGrammarManager(self.vocab_size, worker=TimedWorker(timer), pin_memory=False) \
+            if mode == 'project' else None
+        apply = timer.wrap(apply_bitmask_)
+        ref_commit, ref_verify = timer.wrap(commit), timer.wrap(verification_bitmask)
+        start = time.perf_counter()
+        for _ in range(steps):
+            # -- drafting -------------------------------------------------------------------------------------
+            window = manager.begin_draft(matchers, batch, k, session_ids=sessions) if manager else None
+            forks = {r: m.fork() for r, m in matchers.items()} if mode == 'reference' else None
+            draft_ids, drafts = ids, []
+            for _ in range(k):
+                logits = self._draft_logits(draft_ids)
+                if window is not None:
+                    window.wait()  # waiting is exposure, not work: the fill itself is timed on the worker
+                    timer.wrap(window.mask_logits_)(logits)
+                elif forks:
+                    bitmask = timer.wrap(fill_bitmask)(forks, batch, self.vocab_size)
+                    apply(logits, bitmask, rows=sorted(forks))
+                token = logits.argmax(-1, keepdim=True)
+                if window is not None:
+                    window.advance(token)
+                elif forks:
+                    timer.wrap(_accept_all)(forks, token.view(-1).tolist())
+                drafts.append(token)
+                draft_ids = torch.cat([draft_ids[:, 1:], token], dim=1)
+            draft_tokens = torch.cat(drafts, dim=1)
+            # -- verification ----------------------------------------------------------------------------------
+            logits = self._target_logits(torch.cat([ids, draft_tokens], dim=1))
+            if manager is not None:
+                bitmask = manager.verification_bitmask(matchers, draft_tokens, sessions)  # timed on the worker
+                timer.wrap(manager.apply_)(logits, bitmask, matchers, k + 1)
+            elif matchers:
+                bitmask = ref_verify(matchers, draft_tokens, self.vocab_size)
+                masks, per_position = bitmask.view(batch, k + 1, -1), logits.view(batch, k + 1, -1)
+                for i in range(k + 1):  # per position: copy and apply
+                    apply(per_position[:, i], masks[:, i].contiguous(), rows=sorted(matchers))
+            out = _greedy_accept(logits, draft_tokens, k)
+            if manager is not None:
+                manager.commit_async(matchers, out)
+            elif matchers:
+                ref_commit(matchers, out)
+            last = out.clamp_min(0).gather(1, (out >= 0).sum(1, keepdim=True) - 1)
+            ids = torch.cat([ids[:, 1:], last], dim=1)
+        if manager is not None:
+            manager.worker.run(lambda: None)
+            manager.worker.shutdown()
+        wall = time.perf_counter() - start
+        return wall / steps, timer.total / steps
+
+
+def load_grammars(name: str) -> list[tuple[xgr.CompiledGrammar, list[int]]]:
+    data = json.loads(DATA.read_text())
+    compiler = testing.grammar_compiler(name)
+    tok = testing.load_tokenizer(name)
+    out = []
+    for item in data['schemas']:
+        compiled = compiler.compile_json_schema(json.dumps(item['schema']))
+        out.append((compiled, tok.encode(json.dumps(item['instance'], ensure_ascii=False), add_special_tokens=False)))
+    for item in data['regexes']:
+        out.append((compiler.compile_regex(item['regex']), tok.encode(item['instance'], add_special_tokens=False)))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--tokenizers', default='qwen3,llama3')
+    parser.add_argument('--batches', default='1,8,32,128')
+    parser.add_argument('--ks', default='1,3,5')
+    parser.add_argument('--steps', type=int, default=3, help='speculative steps per timed run')
+    parser.add_argument('--reps', type=int, default=5, help='interleaved repetitions; the median is reported')
+    parser.add_argument('--hidden', type=int, default=128)
+    parser.add_argument('--layers', type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    rows = []
+    headline = None
+    print(f'{"tokenizer":<9} {"V":>7} {"B":>4} {"k":>2} {"forwards ms":>11} | {"grammar CPU ms":^23} | '
+          f'{"exposed ms":^23} | {"exposed":>7} {"CPU":>6}', flush=True)
+    print(f'{"":<9} {"":>7} {"":>4} {"":>2} {"unguided":>11} | {"reference":>11} {"project":>11} | '
+          f'{"reference":>11} {"project":>11} | {"ratio":>7} {"ratio":>6}', flush=True)
+    for name in args.tokenizers.split(','):
+        vocab = testing.TOKENIZERS[name].model_vocab_size
+        grammars = load_grammars(name)
+        target, draft = build_models(vocab, args.hidden, args.layers)
+        for batch in map(int, args.batches.split(',')):
+            for k in map(int, args.ks.split(',')):
+                runner = Runner(target, draft, vocab, k)
+                workload = Workload(name, batch, seed=batch * 10 + k, grammars=grammars)
+                runner.run('unguided', workload, 1)  # warm-up
+                samples = {m: [] for m in ('unguided', 'reference', 'project')}
+                for rep in range(args.reps):
+                    order = ['unguided', 'reference', 'project']
+                    random.Random(rep).shuffle(order)
+                    for mode in order:
+                        samples[mode].append(runner.run(mode, workload, args.steps))
+                med = {m: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s))
+                       for m, s in samples.items()}
+                base = med['unguided'][0]
+                exp_ref = max(med['reference'][0] - base, 1e-6)
+                exp_prj = max(med['project'][0] - base, 0.0)
+                ratio = exp_prj / exp_ref
+                cpu_ratio = med['project'][1] / max(med['reference'][1], 1e-9)
+                rows.append((name, vocab, batch, k, base, med, ratio, cpu_ratio))
+                print(f'{name:<9} {vocab:>7} {batch:>4} {k:>2} {base * 1e3:>11.1f} | '
+                      f'{med["reference"][1] * 1e3:>11.2f} {med["project"][1] * 1e3:>11.2f} | '
+                      f'{exp_ref * 1e3:>11.2f} {exp_prj * 1e3:>11.2f} | {ratio:>7.2f} {cpu_ratio:>6.2f}', flush=True)
+                if name == 'qwen3' and batch == 32 and k == 3:
+                    headline = ratio
+    params = sum(p.numel() for p in target.parameters())
+    print(f'\ntarget model: Llama, hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f} M parameters '
+          f'(last vocabulary), fp32, 1 torch thread; draft: 1 layer. Steps per run {args.steps}, '
+          f'median of {args.reps} interleaved repetitions.')
+    if headline is None:
+        print('mask_exposed_ratio n/a (the headline cell qwen3, B=32, k=3 was not run)')
+        return 1
+    print(f'mask_exposed_ratio {headline:.3f}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
