@@ -75,7 +75,7 @@ def _alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def _build_cache(kv_lens, num_kv_heads: int, head_dim: int, head_dim_v: int, block_size: int, quant: str,
-                 shared_kv: bool, dtype=torch.float16):
+                 shared_kv: bool, dtype=torch.float16, device='cpu'):
     """Random K/V written into a shuffled paged cache by lmdeploy's fill_kv_cache; returns the cache and the
     dequantized contiguous K/V ``[kv_heads, total, dim]`` that lmdeploy's flatten_kv_cache reads back."""
     from lmdeploy.messages import QuantPolicy
@@ -84,33 +84,34 @@ def _build_cache(kv_lens, num_kv_heads: int, head_dim: int, head_dim_v: int, blo
 
     policy = {'none': QuantPolicy.NONE, 'int4': QuantPolicy.INT4, 'int8': QuantPolicy.INT8,
               'fp8': QuantPolicy.FP8}[quant]
-    kv_lens_t = torch.tensor(kv_lens, dtype=torch.long)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.long, device=device)
     batch = len(kv_lens)
     total = int(kv_lens_t.sum())
     blocks_per_req = max(math.ceil(n / block_size) for n in kv_lens)
     num_blocks = batch * blocks_per_req + 1
     # a shuffled page table: request pages are neither contiguous nor in order
-    page_table = (torch.randperm(num_blocks - 1)[:batch * blocks_per_req] + 1).view(batch, blocks_per_req)
+    page_table = (torch.randperm(num_blocks - 1)[:batch * blocks_per_req] + 1).view(batch, blocks_per_req).to(device)
 
-    k_states = torch.randn(total, num_kv_heads, head_dim, dtype=dtype)
+    k_states = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=device)
     v_states = k_states[..., :head_dim_v] if shared_kv else torch.randn(total, num_kv_heads, head_dim_v,
-                                                                        dtype=dtype)
+                                                                        dtype=dtype, device=device)
     pack = 2 if policy == QuantPolicy.INT4 else 1
     cache_dtype = {'none': dtype, 'int4': torch.uint8, 'int8': torch.uint8, 'fp8': torch.float8_e4m3fn}[quant]
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim // pack, dtype=cache_dtype)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim // pack, dtype=cache_dtype, device=device)
     if shared_kv:
         v_cache = k_cache[..., :head_dim_v]
         v_fill = None
     else:
-        v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v // pack, dtype=cache_dtype)
+        v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim_v // pack, dtype=cache_dtype,
+                              device=device)
         v_fill = v_states
     k_sz = v_sz = None
     if policy in (QuantPolicy.INT4, QuantPolicy.INT8):
-        k_sz = torch.zeros(num_blocks, block_size, num_kv_heads, 2, dtype=dtype)
-        v_sz = torch.zeros(num_blocks, block_size, num_kv_heads, 2, dtype=dtype)
+        k_sz = torch.zeros(num_blocks, block_size, num_kv_heads, 2, dtype=dtype, device=device)
+        v_sz = torch.zeros(num_blocks, block_size, num_kv_heads, 2, dtype=dtype, device=device)
     elif policy == QuantPolicy.FP8:
-        k_sz = torch.tensor(k_states.abs().max().item() / 448.0, dtype=torch.float32)
-        v_sz = torch.tensor(v_states.abs().max().item() / 448.0, dtype=torch.float32)
+        k_sz = torch.tensor(k_states.abs().max().item() / 448.0, dtype=torch.float32, device=device)
+        v_sz = torch.tensor(v_states.abs().max().item() / 448.0, dtype=torch.float32, device=device)
     start = kv_lens_t.cumsum(0) - kv_lens_t
     fill_kv_cache(k_states, v_fill, k_cache, v_cache, start, kv_lens_t, kv_seq_length=kv_lens_t,
                   max_q_seq_length=max(kv_lens), block_offsets=page_table, k_scales_zeros=k_sz,
@@ -138,7 +139,7 @@ def _reference(q, cache, window_len: int, *, causal: bool, scale: float, window:
         for t in range(window_len):
             qt = q[b * window_len + t].float()  # [heads, d]
             q_pos = kv_len - window_len + t if causal else kv_len - 1
-            pos = torch.arange(kv_len)
+            pos = torch.arange(kv_len, device=q.device)
             visible = pos <= q_pos
             if window > 0:
                 visible &= pos >= q_pos - window
@@ -158,14 +159,17 @@ def _reference(q, cache, window_len: int, *, causal: bool, scale: float, window:
 def _run(pa, *, window_len: int, num_heads: int, num_kv_heads: int, head_dim: int = 32, head_dim_v: int = None,
          block_size: int = 16, quant: str = 'none', shared_kv: bool = False, causal: bool = True, window: int = -1,
          softcap: float = -1, alibi: bool = False, sinks: bool = False, kv_lens=KV_LENS,
-         seqlens_dtype=torch.long, atol: float = 2e-2):
+         seqlens_dtype=torch.long, atol: float = 2e-2, dtype=torch.float16, device='cpu'):
+    """Fill a cache, run the kernel on a window of ``window_len`` tokens per request and compare; also used by
+    ``tests/gpu`` with ``device='cuda'``."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    cache = _build_cache(kv_lens, num_kv_heads, head_dim, head_dim_v, block_size, quant, shared_kv)
+    cache = _build_cache(kv_lens, num_kv_heads, head_dim, head_dim_v, block_size, quant, shared_kv, dtype=dtype,
+                         device=device)
     batch = len(kv_lens)
-    q = torch.randn(batch * window_len, num_heads, head_dim, dtype=torch.float16)
+    q = torch.randn(batch * window_len, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
-    alibi_slopes = _alibi_slopes(num_heads) if alibi else None
-    sink_values = torch.randn(num_heads, dtype=torch.float32) if sinks else None
+    alibi_slopes = _alibi_slopes(num_heads).to(device) if alibi else None
+    sink_values = torch.randn(num_heads, dtype=torch.float32, device=device) if sinks else None
     out = pa.flash_attn_with_kvcache(q, cache['k_cache'], cache['v_cache'],
                                      cache_seqlens=cache['kv_lens'].to(seqlens_dtype),
                                      page_table=cache['page_table'], max_seqlen_q=window_len, softmax_scale=scale,
