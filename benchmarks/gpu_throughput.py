@@ -1,0 +1,167 @@
+"""Output throughput of guided and unguided decoding, with and without speculation, on a CUDA GPU.
+
+Four modes per batch size (1, 8 and 32 by default), on the tiny random-weight models of
+``lmdeploy_guided_spec.tools.tiny_models`` through lmdeploy's pipeline (greedy decoding):
+
+* ``unguided``/``guided`` non-speculative: the target alone, without and with a JSON-schema ``response_format``;
+* ``unguided``/``guided`` speculative: the same with the proposer (``eagle3`` on the tiny Llama, or
+  ``deepseek_mtp`` on the tiny DeepSeek-V3-style model) and ``--num-spec-tokens`` drafts per step.
+
+Columns: generated tokens, wall seconds, output tokens/s, and tokens per step: for speculative modes the mean
+number of tokens a request emits per target forward (accepted drafts + 1, counted at lmdeploy's rejection
+sampler), 1 for the others. The weights are random, so acceptance (and with it the speculative speed-up) means
+nothing; what the numbers show is the cost of the guided machinery next to the unguided one.
+
+``--force-triton`` sets ``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1`` (verify with the Triton kernel even where
+FlashAttention-3 is installed). Without CUDA the script exits with status 2.
+
+Last line: ``guided_spec_vs_unguided_spec <tokens/s of guided speculative / unguided speculative at batch 8>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+SCHEMA = {
+    'type': 'object',
+    'properties': {
+        'name': {'type': 'string'},
+        'age': {'type': 'integer', 'minimum': 0, 'maximum': 120},
+        'tags': {'type': 'array', 'items': {'type': 'string'}},
+        'ok': {'type': 'boolean'},
+    },
+    'required': ['name', 'age', 'tags', 'ok'],
+}
+
+
+class _AcceptCounter:
+    """Counts, at lmdeploy's RejectionSampler, the tokens every request emits per verification step."""
+
+    def __init__(self):
+        self.emitted = None
+        self.rows = 0
+        self.steps = 0
+
+    def install(self) -> None:
+        from lmdeploy.pytorch.spec_decode.reject_sampler import RejectionSampler
+        counter = self
+        original = RejectionSampler.forward
+
+        def forward(self, target_logits, draft_token_ids, *args, **kwargs):
+            out = original(self, target_logits, draft_token_ids, *args, **kwargs)
+            num_rejected = out[1]
+            # summed on the device, read once at the end: no synchronisation per step
+            emitted = (draft_token_ids.size(-1) + 1 - num_rejected).sum()
+            counter.emitted = emitted if counter.emitted is None else counter.emitted + emitted
+            counter.rows += num_rejected.numel()
+            counter.steps += 1
+            return out
+
+        RejectionSampler.forward = forward
+
+    def reset(self) -> None:
+        self.emitted, self.rows, self.steps = None, 0, 0
+
+    def tokens_per_step(self) -> float | None:
+        if not self.rows:
+            return None
+        return float(self.emitted.item()) / self.rows
+
+
+def _prompts(batch: int) -> list[str]:
+    return [f'Request {i}: describe a person as JSON.' for i in range(batch)]
+
+
+def _gen_configs(batch: int, guided: bool, max_new_tokens: int):
+    from lmdeploy import GenerationConfig
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': SCHEMA}} if guided else None
+    return [GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, response_format=fmt)
+            for _ in range(batch)]
+
+
+def _measure(pipe, batch: int, guided: bool, max_new_tokens: int, counter: _AcceptCounter, spec: bool) -> dict:
+    import torch
+    pipe(_prompts(batch), gen_config=_gen_configs(batch, guided, 8))  # warm-up: grammars, shapes
+    torch.cuda.synchronize()
+    counter.reset()
+    start = time.perf_counter()
+    outs = pipe(_prompts(batch), gen_config=_gen_configs(batch, guided, max_new_tokens))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    per_step = counter.tokens_per_step() if spec else 1.0
+    return dict(tokens=tokens, seconds=seconds, tps=tokens / seconds, per_step=per_step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--method', choices=['eagle3', 'deepseek_mtp'], default='eagle3')
+    parser.add_argument('--batch-sizes', default='1,8,32', help='comma-separated (default: 1,8,32)')
+    parser.add_argument('--max-new-tokens', type=int, default=128)
+    parser.add_argument('--num-spec-tokens', type=int, default=3)
+    parser.add_argument('--eager', action='store_true', help='eager mode instead of CUDA graphs')
+    parser.add_argument('--force-triton', action='store_true',
+                        help='verify with the Triton paged kernel even where FlashAttention-3 is installed')
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
+
+    import torch
+    if not torch.cuda.is_available():
+        print('gpu_throughput: CUDA is not available; this benchmark needs an NVIDIA GPU (see docs/en/gpu.md)',
+              file=sys.stderr)
+        return 2
+    if args.force_triton:
+        os.environ['LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC'] = '1'
+
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec.tools import tiny_models
+
+    if args.method == 'eagle3':
+        target, draft = tiny_models.build_llama_target(), tiny_models.build_eagle3_draft()
+    else:
+        target = draft = tiny_models.build_deepseek_mtp_target()
+    counter = _AcceptCounter()
+    counter.install()
+
+    rows = []
+    path = None
+    for spec in (False, True):
+        backend = PytorchEngineConfig(eager_mode=args.eager, max_batch_size=max(batch_sizes),
+                                      cache_max_entry_count=0.3, session_len=4096)
+        spec_config = SpeculativeConfig(method=args.method, model=str(draft),
+                                        num_speculative_tokens=args.num_spec_tokens) if spec else None
+        pipe = pipeline(str(target), backend_config=backend, speculative_config=spec_config, log_level='ERROR')
+        if spec:
+            from lmdeploy.pytorch.backends.cuda import attention
+            path = 'FA3' if attention.use_fa3_spec_decoding() else 'Triton paged kernel'
+        try:
+            for batch in batch_sizes:
+                for guided in (False, True):
+                    result = _measure(pipe, batch, guided, args.max_new_tokens, counter, spec)
+                    rows.append(dict(spec=spec, guided=guided, batch=batch, **result))
+        finally:
+            pipe.close()
+        torch.cuda.empty_cache()
+
+    print(f'device: {torch.cuda.get_device_name()}; method {args.method}, {args.num_spec_tokens} draft tokens, '
+          f'{"eager" if args.eager else "CUDA graphs"}, speculative windows verified by {path}; '
+          f'max {args.max_new_tokens} new tokens, greedy; random weights')
+    print(f'{"mode":<26} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')
+    for r in rows:
+        mode = f'{"guided" if r["guided"] else "unguided"} {"speculative" if r["spec"] else "non-speculative"}'
+        per_step = 'n/a' if r['per_step'] is None else f'{r["per_step"]:.2f}'
+        print(f'{mode:<26} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
+    at8 = {r['guided']: r['tps'] for r in rows if r['spec'] and r['batch'] == 8}
+    if len(at8) == 2 and at8[False] > 0:
+        print(f'guided_spec_vs_unguided_spec {at8[True] / at8[False]:.3f}')
+    else:
+        print('guided_spec_vs_unguided_spec n/a (batch 8 was not run)')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
