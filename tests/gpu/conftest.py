@@ -19,6 +19,14 @@ WORKER = Path(__file__).parent / 'engine_worker.py'
 WORKER_TIMEOUT = 1500
 
 
+@pytest.fixture(scope='session', autouse=True)
+def _compiled_triton():
+    """The GPU tests need Triton's compiler: refuse to run under the interpreter the CPU tests switch on."""
+    if os.environ.get('TRITON_INTERPRET', '0') not in ('', '0'):
+        pytest.fail('TRITON_INTERPRET is set (tests/engine/conftest.py sets it when the CPU tests are collected); '
+                    'run the GPU tests on their own: pytest -m gpu tests/gpu')
+
+
 @pytest.fixture(scope='session')
 def tiny_models() -> dict[str, Path]:
     from lmdeploy_guided_spec.tools import tiny_models as tm
@@ -51,6 +59,7 @@ class EngineRuns:
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ)
         env.pop('LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC', None)
+        env.pop('TRITON_INTERPRET', None)
         with log_path.open('w') as log:
             try:
                 proc = subprocess.run([sys.executable, str(WORKER), str(cfg_path), str(out_path)], stdout=log,
