@@ -199,7 +199,8 @@ BASE = [
 ]
 
 
-@pytest.mark.parametrize('window_len,num_heads,num_kv_heads,block_size,seqlens_dtype', BASE)
+@pytest.mark.parametrize('window_len,num_heads,num_kv_heads,block_size,seqlens_dtype', BASE,
+                         ids=[f's{w}-h{h}-kv{kv}-bs{bs}-{str(d).split(".")[-1]}' for w, h, kv, bs, d in BASE])
 def test_causal_window_matches_reference(pa, window_len, num_heads, num_kv_heads, block_size, seqlens_dtype):
     _run(pa, window_len=window_len, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size,
          seqlens_dtype=seqlens_dtype)
