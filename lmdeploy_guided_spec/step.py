@@ -94,7 +94,8 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, 
     Returns
     -------
     dict
-        Number of tokens each matcher accepted. A matcher stops at termination (EOS or a completed grammar).
+        Number of tokens each matcher accepted. A terminated matcher stops at the first token it rejects (EOS
+        after the end of the grammar); a grammar that may end or go on (``x(yz)?`` after ``x``) keeps accepting.
     """
     rows = _as_rows(token_ids)
     accepted = {}
@@ -104,9 +105,13 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, 
             tokens = [tokens]
         count = 0
         for token in tokens:
-            if token < 0 or matcher.is_terminated():
+            if token < 0:
                 break
             if not matcher.accept_token(int(token)):
+                if matcher.is_terminated():
+                    # lmdeploy's matchers end without a stop token, and report termination wherever the grammar
+                    # may end; they still accept what may go on, so only a rejected token ends the commit
+                    break
                 # The verification masks exclude such tokens, so this means masks and matchers drifted apart.
                 logger.error(f'grammar rejected committed token {token} of batch row {row} after {count} '
                              'accepted tokens; the request continues unconstrained from here. Please file an issue.')

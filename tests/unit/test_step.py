@@ -87,6 +87,18 @@ def test_commit_stops_at_termination(llama3):
     assert accepted == {0: 1} and m.is_terminated()
 
 
+def test_commit_goes_on_where_a_grammar_may_end(llama3, caplog):
+    """lmdeploy's matchers report termination wherever the grammar may end (x(yz)? after x) but still accept what
+    may follow; the commit must take it, as the non-speculative path does."""
+    tok = testing.load_tokenizer(llama3)
+    x, y, z = (tok.convert_tokens_to_ids(c) for c in 'xyz')
+    m = new_matcher(testing.grammar_compiler(llama3).compile_regex('x(yz)?'))
+    assert commit({0: m}, [[x]]) == {0: 1} and m.is_terminated()
+    assert commit({0: m}, [[y, z, tok.eos_token_id]]) == {0: 2}
+    assert not testing.allowed_tokens(m, 128256)[y], 'after xyz nothing but EOS may follow'
+    assert 'Please file an issue' not in caplog.text
+
+
 def test_commit_of_a_rejected_token_keeps_state(llama3, caplog):
     compiled = compile_schema(llama3, SCHEMAS['person'])
     m = new_matcher(compiled)
