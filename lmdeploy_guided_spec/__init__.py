@@ -24,6 +24,9 @@ _EXPORTS = {
     'fill_bitmask': 'step',
     'verification_bitmask': 'step',
     'DraftVocabMap': 'vocab_map',
+    'ForcedTokenizer': 'forced',
+    'forced_token': 'forced',
+    'forced_drafts': 'forced',
 }
 
 __all__ = [*_EXPORTS, '__version__']

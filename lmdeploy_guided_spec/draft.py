@@ -9,15 +9,22 @@ is the state after draft tokens ``0..i-1``, which is the state draft position ``
 
 All masks live in one host buffer ``(batch, num_spec_tokens + 1, words)`` (page-locked when a GPU is present),
 so verification needs one host-to-device copy and one masking kernel.
+
+With ``forced=True`` the worker also finds, at every filled draft position, the token the grammar forces there
+(:func:`lmdeploy_guided_spec.forced.forced_token`): :meth:`DraftGrammar.advance` puts it in place of the draft
+model's choice, and :meth:`DraftGrammar.propose` drafts a whole window from forced tokens alone (methods
+``grammar`` and ``fsm``, no draft model).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
+from .forced import ForcedTokenizer, forced_token
 from .sparse import SparseMaskBuilder, SparseRows
 from .vocab_map import DraftVocabMap
 from .worker import GrammarWorker
@@ -34,6 +41,30 @@ BATCH_FILL_MIN_CORES = 8
 
 def _first(value):
     return value[0] if isinstance(value, list) else value
+
+
+def _disallowed_token(mask_row: torch.Tensor, vocab_size: int) -> int | None:
+    """The smallest token a bitmask row disallows, or None."""
+    words = mask_row.numpy().view(np.uint32)
+    partial = np.flatnonzero(words != 0xFFFFFFFF)
+    if partial.size == 0:
+        return None
+    index = int(partial[0])
+    word = int(words[index])
+    token = index * 32 + ((~word & (word + 1)).bit_length() - 1)
+    return token if token < vocab_size else None
+
+
+def _override(token_ids, forced: dict[int, int]) -> None:
+    """Write forced tokens into the chosen draft ids in place (tensor ``(rows,)`` / ``(rows, 1)`` or a list)."""
+    if isinstance(token_ids, torch.Tensor):
+        column = token_ids if token_ids.dim() == 1 else token_ids[:, 0]
+        rows = [row for row in forced if row < column.shape[0]]
+        index = torch.tensor(rows, dtype=torch.long, device=column.device)
+        column[index] = torch.tensor([forced[row] for row in rows], dtype=column.dtype, device=column.device)
+        return
+    for row, token in forced.items():
+        token_ids[row] = [token] if isinstance(token_ids[row], list) else token
 
 
 class DraftGrammar:
@@ -63,13 +94,21 @@ class DraftGrammar:
     sparse : SparseMaskBuilder, optional
         Also turn every filled position into :class:`SparseRows` on the worker (for logits on the CPU, where
         applying a dense bitmask costs more than filling it).
+    forced : bool, default: False
+        Find the token the grammar forces at every draft position; :meth:`advance` drafts it whatever the draft
+        model chose, and :meth:`propose` needs it.
+    tokenizer : ForcedTokenizer, optional
+        Writes forced text (xgrammar's jump-forward string) as tokens; without it only positions whose mask allows
+        a single token are forced. Matchers are xgrammar ``GrammarMatcher`` objects or behave like one
+        (:class:`lmdeploy_guided_spec.fsm.FsmMatcher`).
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
                  vocab_map: DraftVocabMap | None = None, worker: GrammarWorker | None = None,
                  session_ids: Sequence[int] | None = None, pin_memory: bool = False,
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
-                 sparse: SparseMaskBuilder | None = None):
+                 sparse: SparseMaskBuilder | None = None, forced: bool = False,
+                 tokenizer: ForcedTokenizer | None = None):
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -77,7 +116,14 @@ class DraftGrammar:
         self.worker = worker or GrammarWorker(inline=True)
         self.session_ids = list(session_ids) if session_ids is not None else None
         self.rows = sorted(matchers)
+        # xgrammar's batch fill takes its own matchers only (not FSM matchers)
+        if not all(isinstance(m, xgr.GrammarMatcher) for m in matchers.values()):
+            batch_matcher = None
         self.batch_matcher = batch_matcher
+        self.forced = forced
+        self.tokenizer = tokenizer
+        # per draft position: {row: the token the grammar forces there}
+        self._forced: list[dict[int, int]] = []
         self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
                                       pin_memory=pin_memory).view(batch_size, num_spec_tokens + 1, -1)
         self.forks: dict[int, xgr.GrammarMatcher] = {}
@@ -114,6 +160,13 @@ class DraftGrammar:
                                               [row * width + position for row in live])
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)
+        if self.forced and position < self.num_spec_tokens:
+            found = {}
+            for row in live:
+                token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer)
+                if token is not None:
+                    found[row] = token
+            self._forced.append(found)
 
     def _advance(self, token_ids, position: int) -> None:
         rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
@@ -156,11 +209,53 @@ class DraftGrammar:
     def advance(self, token_ids: torch.Tensor | Sequence[int]) -> None:
         """Advance the forks by the chosen draft tokens (target ids) and fill the next position, on the worker.
 
-        Returns at once; the device-to-host read of ``token_ids`` happens on the worker.
+        Returns at once; the device-to-host read of ``token_ids`` happens on the worker. With ``forced``, the
+        tokens the grammar forces at this position first replace the chosen ones in ``token_ids``, in place (even a
+        token the draft vocabulary lacks).
         """
         position = self.position
+        if self.forced:
+            self.wait()
+            if position < len(self._forced) and self._forced[position]:
+                _override(token_ids, self._forced[position])
         self.position += 1
         self._pending = self.worker.submit(self._advance, token_ids, position)
+
+    def forced_tokens(self, position: int) -> dict[int, int]:
+        """``{row: token}`` the grammar forces at a filled draft position (waits; needs ``forced``)."""
+        self.wait()
+        return dict(self._forced[position]) if position < len(self._forced) else {}
+
+    def propose(self, filler: int = 0) -> torch.Tensor:
+        """Draft the whole window from the grammar alone and return the drafts ``(batch, k)`` LongTensor (waits).
+
+        Each guided row drafts the tokens its grammar forces, position by position; at the first position that
+        forces nothing it drafts a token the grammar disallows there, which verification always rejects, and its
+        later positions are unreachable. Unguided rows draft ``filler``. Needs ``forced`` and a fresh window; the
+        masks are kept for verification as with a draft model.
+        """
+        if not self.forced:
+            raise RuntimeError('propose needs a window built with forced=True')
+        if self.position != 0:
+            raise RuntimeError(f'propose drafts a fresh window; this one has {self.position} draft positions')
+        self._pending = self.worker.submit(self._propose, int(filler))
+        drafts = self._pending.result()
+        self.position = self.num_spec_tokens
+        return drafts
+
+    def _propose(self, filler: int) -> torch.Tensor:
+        drafts = torch.full((self.batch_size, self.num_spec_tokens), filler, dtype=torch.long)
+        for position in range(self.num_spec_tokens):
+            forced = self._forced[position]
+            for row in self.rows:
+                if row in self.dead:
+                    continue
+                token = forced.get(row)
+                if token is None:
+                    token = _disallowed_token(self.masks[row, position], self.vocab_size)
+                drafts[row, position] = filler if token is None else token
+            self._advance(drafts[:, position].tolist(), position)
+        return drafts
 
     def verification_masks(self) -> torch.Tensor | SparseRows:
         """The verification masks once every position is filled (waits).

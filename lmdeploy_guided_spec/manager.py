@@ -11,6 +11,10 @@ goes on launching device work; it waits only where a mask is needed. One specula
 * verification: no fill at all for windows this manager drafted (their masks are reused), one host-to-device
   copy and one masking kernel;
 * commit: queued behind verification, overlapping the next window's first draft forward.
+
+Tokens the grammar forces (:mod:`lmdeploy_guided_spec.forced`) replace the draft model's choices inside drafting
+windows, and are the whole draft where there is no draft model (:meth:`SpecGrammarManager.propose`, methods
+``grammar`` and ``fsm``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
+from .forced import ForcedTokenizer
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import commit, fill_bitmask, verification_bitmask
 from .vocab_map import DraftVocabMap
@@ -63,10 +68,20 @@ class SpecGrammarManager:
     sparse_masks : bool, optional
         Prepare masks of drafting windows as :class:`SparseRows` on the worker; default: without CUDA, where
         logits live on the CPU and applying a dense bitmask is the expensive part.
+    tokenizer : PreTrainedTokenizerBase, optional
+        The model's tokenizer: forced text is drafted as the tokens it writes (:class:`ForcedTokenizer`). Without
+        it, only positions whose mask allows a single token are forced.
+    tokenizer_info : xgrammar.TokenizerInfo, optional
+        The tokenizer's xgrammar info, if already built (it takes most of a second for 128k tokens).
+    forced_drafts : bool, optional
+        Inside drafting windows, draft the token the grammar forces whatever the draft model chose; default: on,
+        unless the environment variable ``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS`` is ``0``. :meth:`propose` always
+        drafts forced tokens.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
-                 batch_fill: bool | None = None, sparse_masks: bool | None = None):
+                 batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
+                 tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -78,6 +93,12 @@ class SpecGrammarManager:
             batch_fill = (os.cpu_count() or 1) >= BATCH_FILL_MIN_CORES
         self._batch_matcher = xgr.BatchGrammarMatcher() if batch_fill else None
         self._vocab_maps: dict[int, DraftVocabMap] = {}
+        if forced_drafts is None:
+            forced_drafts = os.environ.get('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1') != '0'
+        self.forced_drafts = forced_drafts
+        self.forced_tokenizer = None
+        if tokenizer is not None:
+            self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
 
@@ -190,11 +211,32 @@ class SpecGrammarManager:
         window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens,
                               vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
-                              batch_matcher=self._batch_matcher, sparse=self._sparse)
+                              batch_matcher=self._batch_matcher, sparse=self._sparse, forced=self.forced_drafts,
+                              tokenizer=self.forced_tokenizer)
+        self._keep(window, matchers, session_ids)
+        return window
+
+    def _keep(self, window: DraftGrammar, matchers: Matchers, session_ids: Sequence[int] | None) -> None:
         if session_ids is not None:
             for row in matchers:
                 self._windows[session_ids[row]] = (window, row)
-        return window
+
+    def propose(self, matchers: Matchers, batch_size: int, num_spec_tokens: int, *,
+                session_ids: Sequence[int] | None = None, filler: int = 0) -> torch.Tensor:
+        """Drafts ``(batch_size, num_spec_tokens)`` LongTensor (CPU) from the grammars alone, with no draft model.
+
+        Guided rows draft the tokens their grammar forces (:meth:`DraftGrammar.propose`); the rest of a guided row
+        and every unguided row hold tokens verification rejects or a ``filler``. Waits. With ``session_ids`` the
+        window's masks serve the next :meth:`verification_bitmask`, as with a draft model.
+        """
+        if not matchers:
+            return torch.full((batch_size, num_spec_tokens), int(filler), dtype=torch.long)
+        window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens, worker=self.worker,
+                              session_ids=session_ids, pin_memory=self.pin_memory,
+                              batch_matcher=self._batch_matcher, sparse=self._sparse, forced=True,
+                              tokenizer=self.forced_tokenizer)
+        self._keep(window, matchers, session_ids)
+        return window.propose(filler)
 
     def forget(self, session_ids: Sequence[int]) -> None:
         """Drop kept windows of finished sessions."""
