@@ -17,6 +17,7 @@ _EXPORTS = {
     'unpack_bitmask': 'bitmask',
     'GuidedSpecError': 'errors',
     'VocabMapError': 'errors',
+    'FsmError': 'errors',
     'SpecGrammarManager': 'manager',
     'DraftGrammar': 'draft',
     'GrammarWorker': 'worker',
@@ -27,6 +28,9 @@ _EXPORTS = {
     'ForcedTokenizer': 'forced',
     'forced_token': 'forced',
     'forced_drafts': 'forced',
+    'Fsm': 'fsm',
+    'FsmMatcher': 'fsm',
+    'FsmSessions': 'fsm',
 }
 
 __all__ = [*_EXPORTS, '__version__']

@@ -1,6 +1,6 @@
 """Exceptions raised by lmdeploy-guided-spec."""
 
-__all__ = ['GuidedSpecError', 'VocabMapError']
+__all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError']
 
 
 class GuidedSpecError(Exception):
@@ -11,3 +11,5 @@ class VocabMapError(GuidedSpecError, ValueError):
     """A draft-to-target vocabulary map does not fit the vocabularies it is used with."""
 
 
+class FsmError(GuidedSpecError, ValueError):
+    """A token FSM file (speculative method ``fsm``) cannot be read or does not describe a usable FSM."""
