@@ -1,11 +1,11 @@
 """Drive the patched lmdeploy speculative components on the CPU with scripted models.
 
 The harness builds lmdeploy's own ``SpecModelAgent`` (through ``build_spec_agent``), its proposer
-(``deepseek_mtp`` or ``eagle3``), ``GuidedDecodingManager``, ``RejectionSampler`` and ``FusedLogitsProcessor``
-and runs whole generations through them. Only the neural networks are replaced: the target and the draft are
-functions from a token prefix to logits, and the draft forward hands the proposer hidden states its stub
-``get_logits`` turns into those logits. lmdeploy's Triton kernels run under ``TRITON_INTERPRET=1``, which must be
-set before lmdeploy is imported (:func:`enable_cpu_triton`).
+(``deepseek_mtp``, ``eagle3``, or ``grammar`` and ``fsm``, which have no draft model), ``GuidedDecodingManager``,
+``RejectionSampler`` and ``FusedLogitsProcessor`` and runs whole generations through them. Only the neural
+networks are replaced: the target and the draft are functions from a token prefix to logits, and the draft forward
+hands the proposer hidden states its stub ``get_logits`` turns into those logits. lmdeploy's Triton kernels run
+under ``TRITON_INTERPRET=1``, which must be set before lmdeploy is imported (:func:`enable_cpu_triton`).
 
 This module imports lmdeploy; the core library does not.
 """
@@ -156,19 +156,23 @@ class SpecHarness:
     vocab_size : int
         The target model's padded vocabulary size.
     target, draft : PrefixModel
-        Scripted target and draft. For ``eagle3`` the draft returns logits over the draft vocabulary.
+        Scripted target and draft. For ``eagle3`` the draft returns logits over the draft vocabulary; ``grammar``
+        and ``fsm`` take no draft (None).
     method : str, default: 'deepseek_mtp'
-        The proposer: ``deepseek_mtp``, ``eagle``, ``qwen3_5_mtp`` (same ``get_outputs``) or ``eagle3``.
+        The proposer: ``deepseek_mtp``, ``eagle``, ``qwen3_5_mtp`` (same ``get_outputs``), ``eagle3``, or the
+        draft-free ``grammar`` and ``fsm``.
     num_spec_tokens : int, default: 3
     draft_id_to_target_id : LongTensor, optional
         Absolute target id of every draft id (``eagle3`` only).
+    spec_model : str, default: 'scripted'
+        The speculative model path of the config: the FSM file for ``fsm``.
     on_step : callable, optional
         Called with every :class:`StepRecord` (progress output of the check command).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, target: PrefixModel, draft: PrefixModel, *,
+    def __init__(self, tokenizer, vocab_size: int, target: PrefixModel, draft: PrefixModel | None, *,
                  method: str = 'deepseek_mtp', num_spec_tokens: int = 3,
-                 draft_id_to_target_id: torch.Tensor | None = None,
+                 draft_id_to_target_id: torch.Tensor | None = None, spec_model: str = 'scripted',
                  on_step: Callable[[StepRecord], None] | None = None):
         from lmdeploy.pytorch.config import BackendConfig, MiscConfig, ModelConfig, SpecDecodeConfig
         from lmdeploy.pytorch.distributed import DistContext
@@ -187,9 +191,10 @@ class SpecHarness:
         self.target_forwards = 0
 
         hf_config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, architectures=['LlamaForCausalLM'])
+                                num_attention_heads=2, num_key_value_heads=1, architectures=['LlamaForCausalLM'],
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
         model_config = ModelConfig.from_hf_config(hf_config, model_path='scripted')
-        spec_config = SpecDecodeConfig(model='scripted', method=method, num_speculative_tokens=num_spec_tokens,
+        spec_config = SpecDecodeConfig(model=spec_model, method=method, num_speculative_tokens=num_spec_tokens,
                                        model_config=model_config)
         misc_config = MiscConfig()
         factory = build_strategy_factory(model_config, misc_config, specdecode_config=spec_config)
@@ -199,7 +204,9 @@ class SpecHarness:
         self.agent = build_spec_agent(spec_config, BackendConfig(), DistContext.build(),
                                       factory.build_model_inputs_strategy(), factory.build_model_agent_strategy(),
                                       misc_config, device='cpu', guided_decoding_manager=self.guided_decoding_manager)
-        self.agent.proposer.model = _StubDraftModel(self)
+        self.draft_free = self.agent.proposer.draft_free
+        if not self.draft_free:
+            self.agent.proposer.model = _StubDraftModel(self)
         if method == 'eagle3':
             if draft_id_to_target_id is None:
                 raise ValueError('method eagle3 needs draft_id_to_target_id')
@@ -232,7 +239,9 @@ class SpecHarness:
         self._window_open = False
         extra = ARSpecExtraInputs(last_token_indices=torch.arange(batch),
                                   num_rejected_tokens=torch.zeros(batch, dtype=torch.long))
-        out = await self.agent._async_model_forward(_model_inputs(batch, 1, True), extra, sampling_inputs)
+        # without a draft model the agent's own entry point drafts (no draft inputs to prepare)
+        forward = self.agent.async_model_forward if self.draft_free else self.agent._async_model_forward
+        out = await forward(_model_inputs(batch, 1, True), extra, sampling_inputs)
         return out.output_draft_token_ids
 
     async def _verify(self, drafts: torch.Tensor | None, sampling_inputs):
