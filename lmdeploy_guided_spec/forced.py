@@ -158,6 +158,10 @@ class ForcedTokenizer:
         """Number of token ids."""
         return len(self.decoded_vocab)
 
+    def prepare(self) -> None:
+        """Read and sort the vocabulary now instead of at first use."""
+        self._build()
+
     def _build(self) -> None:
         with self._lock:
             if self._keys is not None:

@@ -99,6 +99,8 @@ class SpecGrammarManager:
         self.forced_tokenizer = None
         if tokenizer is not None:
             self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
+            # reading and sorting the vocabulary takes about a second for 128k tokens: do it before the first request
+            self.worker.submit(self.forced_tokenizer.prepare)
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
 
