@@ -1,0 +1,145 @@
+"""Run lmdeploy 0.14.0's own PyTorch engine (patched by the series) on the CPU: for tests, CI and the demo.
+
+This is not part of the patch series: it is applied at run time, to the process that calls :func:`activate` and,
+through ``LMDEPLOY_GUIDED_SPEC_DEVICE=cpu`` and a ``.pth`` hook (:mod:`.hook`), to every Python process lmdeploy
+starts from it (the api_server's engine process). lmdeploy's engine, scheduler, model code, speculative agent,
+proposers, guided decoding and samplers run unchanged; what the CPU path replaces is listed by
+:func:`replacements` and in docs/en/cpu.md:
+
+- lmdeploy's ``cuda`` device means the CPU (:mod:`.device`): tensors, streams, events, memory queries;
+- lmdeploy's backend selector returns :class:`.backend.CpuOpsBackend`: torch kernels for attention and MoE,
+  lmdeploy's default torch layers for the rest, eager execution;
+- the rejection sampler's three Triton kernels run as torch functions of the same inputs and outputs
+  (:mod:`.kernels`); any other Triton kernel lmdeploy launches runs under the Triton interpreter;
+- models compute in float32 (``LMDEPLOY_GUIDED_SPEC_CPU_DTYPE``: ``float32``, ``bfloat16``, ``float16`` or
+  ``auto`` for lmdeploy's own choice);
+- the default rotary embedding runs without ``torch.compile`` (its first CPU compile takes seconds);
+- lmdeploy's environment check (which needs CUDA and runs in a spawned process) is skipped.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ['activate', 'active', 'replacements', 'ENV', 'DTYPE_ENV']
+
+#: Set to ``cpu`` to run lmdeploy on the CPU in this process and in every Python process started from it.
+ENV = 'LMDEPLOY_GUIDED_SPEC_DEVICE'
+#: Compute dtype of the CPU path.
+DTYPE_ENV = 'LMDEPLOY_GUIDED_SPEC_CPU_DTYPE'
+
+_active = False
+
+
+def active() -> bool:
+    """Whether this process runs lmdeploy on the CPU."""
+    return _active
+
+
+def _cpu_dtype() -> str:
+    value = os.environ.get(DTYPE_ENV, 'float32')
+    if value not in ('float32', 'bfloat16', 'float16', 'auto'):
+        raise ValueError(f'{DTYPE_ENV} must be float32, bfloat16, float16 or auto, not {value!r}')
+    return value
+
+
+def _patch_selector() -> None:
+    from lmdeploy.pytorch.backends import selector
+
+    if getattr(selector._get_backend, '__lmdeploy_guided_spec_cpu__', False):
+        return
+    original = selector._get_backend
+
+    def _get_backend():
+        from lmdeploy.pytorch.devices import get_device_manager
+        if get_device_manager().current_context().device_type == 'cuda':
+            from .backend import CpuOpsBackend
+            return CpuOpsBackend
+        return original()
+
+    _get_backend.__lmdeploy_guided_spec_cpu__ = True
+    selector._get_backend = _get_backend
+
+
+def _patch_dtype() -> None:
+    from lmdeploy.pytorch import config
+
+    if getattr(config._update_torch_dtype, '__lmdeploy_guided_spec_cpu__', False):
+        return
+    original = config._update_torch_dtype
+
+    def _update_torch_dtype(model_config, dtype: str, device_type: str = 'auto'):
+        import torch
+        model_config = original(model_config, dtype, device_type)
+        wanted = _cpu_dtype()
+        if wanted != 'auto' and getattr(model_config.hf_config, 'quantization_config', None) is None:
+            model_config.dtype = getattr(torch, wanted)
+        return model_config
+
+    _update_torch_dtype.__lmdeploy_guided_spec_cpu__ = True
+    config._update_torch_dtype = _update_torch_dtype
+
+
+def _patch_rotary() -> None:
+    from lmdeploy.pytorch.backends.default import rotary_embedding
+
+    # the default rotary embedding is wrapped in torch.compile, whose first CPU compile takes several seconds
+    fwd = rotary_embedding._rotary_embedding_fwd
+    rotary_embedding._rotary_embedding_fwd = getattr(fwd, '__wrapped__', fwd)
+
+
+def _patch_rejection_sampler() -> None:
+    from lmdeploy.pytorch.spec_decode import reject_sampler
+
+    from . import kernels
+    for name, fn in (('rejection_greedy_sample_kernel', kernels.rejection_greedy_sample),
+                     ('rejection_random_sample_kernel', kernels.rejection_random_sample),
+                     ('sample_recovered_tokens_kernel', kernels.sample_recovered_tokens)):
+        current = getattr(reject_sampler, name)
+        if not isinstance(current, kernels.TorchLaunch):
+            setattr(reject_sampler, name, kernels.TorchLaunch(fn, replaced=current))
+
+
+def _patch_env_check() -> None:
+    from lmdeploy.pytorch import envs
+    envs.enable_check_env = False
+
+
+def replacements() -> dict[str, list[str]]:
+    """What the CPU path replaces, by kind (for reports and the docs)."""
+    from . import device
+    from .backend import CPU_OPS, TORCH_OPS
+    return {
+        'device arguments redirected to the CPU': [f'torch.{n}' for n in device.REDIRECTED_FACTORIES]
+        + ['Tensor.to', 'Tensor.new_*', 'Tensor.cuda', 'Tensor.pin_memory', 'Tensor.record_stream', 'Module.cuda'],
+        'torch.cuda calls with CPU equivalents': [f'torch.cuda.{n}' for n in device.REPLACED_CUDA_CALLS],
+        'ops with torch kernels (lmdeploy implementation classes kept)': [op.name for op in CPU_OPS],
+        "ops from lmdeploy's default torch backend": [op.name for op in TORCH_OPS],
+        'lmdeploy functions wrapped': ['lmdeploy.pytorch.backends.selector._get_backend',
+                                       'lmdeploy.pytorch.config._update_torch_dtype',
+                                       'lmdeploy.pytorch.backends.default.rotary_embedding._rotary_embedding_fwd '
+                                       '(without torch.compile)'],
+        "Triton kernels launched by lmdeploy's rejection sampler, as torch": [
+            'reject_sampler.rejection_greedy_sample_kernel', 'reject_sampler.rejection_random_sample_kernel',
+            'reject_sampler.sample_recovered_tokens_kernel'],
+        'other lmdeploy settings': ['lmdeploy.pytorch.envs.enable_check_env (off)'],
+    }
+
+
+def activate() -> None:
+    """Run lmdeploy on the CPU in this process and in the Python processes it starts (idempotent)."""
+    global _active
+    if _active:
+        return
+    os.environ[ENV] = 'cpu'
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+    os.environ.setdefault('LMDEPLOY_ENABLE_CHECK_ENV', '0')
+    from ..tools.harness import enable_cpu_triton
+    enable_cpu_triton()
+    from . import device
+    device.install()
+    _patch_selector()
+    _patch_dtype()
+    _patch_rotary()
+    _patch_rejection_sampler()
+    _patch_env_check()
+    _active = True
