@@ -167,6 +167,16 @@ def _cmd_check(args: argparse.Namespace, report: _Report) -> int:
     return int(check.main(args) or 0)
 
 
+def _cmd_demo(args: argparse.Namespace, report: _Report) -> int:
+    from . import demo
+    return int(demo.main(args) or 0)
+
+
+def _cmd_serve_cpu(args: argparse.Namespace, report: _Report) -> int:
+    from ..cpu.__main__ import serve
+    return serve(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``lmdeploy-guided-spec`` command."""
     parser = argparse.ArgumentParser(prog=COMMAND, description='Guided decoding with speculative decoding for the '
@@ -199,6 +209,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--sampling', action='store_true', help='sample instead of greedy decoding')
     p.set_defaults(handler=_cmd_check)
+
+    p = sub.add_parser('demo', help='a JSON-schema request through lmdeploy pipeline with speculative decoding, on '
+                       'the CPU')
+    p.add_argument('--model', choices=['smollm2', 'tiny', 'tiny-deepseek'], default='smollm2',
+                   help='smollm2: SmolLM2-135M-Instruct with an EAGLE draft of its own layers; tiny / tiny-deepseek: '
+                   'random tiny models with Eagle3 / MTP drafts (default: smollm2)')
+    p.add_argument('--schema', type=Path, default=None, metavar='PATH', help='JSON schema file (default: built in)')
+    p.add_argument('--prompt', default=None, metavar='TEXT', help='the user message (default: built in)')
+    p.add_argument('--max-new-tokens', type=int, default=96, metavar='N', help='(default: 96)')
+    p.add_argument('--num-spec-tokens', type=int, default=3, metavar='K', help='draft tokens per step (default: 3)')
+    p.add_argument('--sampling', action='store_true', help='sample instead of greedy decoding')
+    p.add_argument('--seed', type=int, default=0, help='random seed of sampling (default: 0)')
+    p.add_argument('--compare', action='store_true',
+                   help='also run the request without speculative decoding and compare the tokens')
+    p.set_defaults(handler=_cmd_demo)
+
+    p = sub.add_parser('serve-cpu', help='lmdeploy serve api_server on the CPU (MODEL may name a built-in model)',
+                       add_help=False)
+    p.add_argument('args', nargs=argparse.REMAINDER, help='MODEL [lmdeploy serve api_server options]')
+    p.set_defaults(handler=_cmd_serve_cpu)
 
     p = sub.add_parser('dev-checkout', parents=[site],
                        help='create a git checkout of the pristine sources with the series as commits')
