@@ -1,0 +1,50 @@
+"""End-to-end tests: lmdeploy's own engine (patched by the series) on the CPU path, driven as a user drives it.
+
+``pipeline(model, backend_config=PytorchEngineConfig(...), speculative_config=SpeculativeConfig(...))`` and
+``lmdeploy serve api_server`` run unchanged; :mod:`lmdeploy_guided_spec.cpu` maps lmdeploy's CUDA device onto the
+CPU. The models are the steered tiny models of :mod:`lmdeploy_guided_spec.cpu.models` (random weights: outputs and
+acceptance rates mean nothing; the checks are that output is valid for its grammar and that speculative output
+equals non-speculative output).
+
+The CPU path patches torch and lmdeploy for the rest of the process, so the e2e tests run after every other test
+of the session, and the path is activated by the first e2e fixture, not at collection. Only the Triton interpreter
+is switched on here, because Triton reads that switch when it is imported.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+
+enable_cpu_triton()
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    e2e = [item for item in items if _HERE in Path(str(item.fspath)).parents]
+    for item in e2e:
+        item.add_marker(pytest.mark.e2e)
+    others = [item for item in items if item not in set(e2e)]
+    items[:] = others + e2e
+
+
+@pytest.fixture(scope='session')
+def cpu_path():
+    """The CPU path, active for the rest of the session."""
+    from lmdeploy_guided_spec import cpu
+    from lmdeploy_guided_spec.cpu import hook
+    cpu.activate()
+    hook.install()
+    return cpu
+
+
+@pytest.fixture(scope='session')
+def engines(cpu_path):
+    """``engines(target, spec=True)``: a pipeline of a named model, speculative or not, built once per session."""
+    from e2e_helpers import Engines
+    pool = Engines()
+    yield pool
+    pool.close()

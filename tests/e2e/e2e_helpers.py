@@ -1,0 +1,146 @@
+"""Pipelines, requests, grammars and checks shared by the end-to-end tests."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import jsonschema
+
+NUM_SPEC_TOKENS = 3
+MAX_NEW_TOKENS = 96
+METHODS = {'eagle3': 'tiny-llama', 'deepseek_mtp': 'tiny-deepseek-mtp'}
+ENGINE_KWARGS = dict(max_batch_size=16, cache_max_entry_count=0.1, session_len=2048)
+
+PERSON = {
+    'type': 'object',
+    'properties': {
+        'name': {'type': 'string', 'maxLength': 16},
+        'age': {'type': 'integer', 'minimum': 0, 'maximum': 130},
+        'tags': {'type': 'array', 'items': {'type': 'string', 'maxLength': 8}, 'maxItems': 3},
+    },
+    'required': ['name', 'age', 'tags'],
+    'additionalProperties': False,
+}
+# fixed length: a random model finishes it, and the grammar forces the dash
+CODE_REGEX = r'[A-Z]{2}-[0-9]{3}'
+
+
+def response_format(kind: str, schema: dict | None = None, regex: str | None = None) -> dict | None:
+    """lmdeploy ``response_format`` of a kind (``text``: None)."""
+    if kind == 'json_schema':
+        return {'type': 'json_schema', 'json_schema': {'name': 'e2e', 'schema': schema or PERSON}}
+    if kind == 'regex_schema':
+        return {'type': 'regex_schema', 'regex_schema': regex or CODE_REGEX}
+    if kind == 'json_object':
+        return {'type': 'json_object'}
+    if kind == 'text':
+        return None
+    raise ValueError(kind)
+
+
+def check_valid(text: str, fmt: dict | None) -> None:
+    """Assert that ``text`` is a complete instance of ``fmt``."""
+    kind = None if fmt is None else fmt['type']
+    if kind == 'json_schema':
+        jsonschema.validate(json.loads(text), fmt['json_schema']['schema'])
+    elif kind == 'json_object':
+        assert isinstance(json.loads(text), dict), text
+    elif kind == 'regex_schema':
+        assert re.fullmatch(fmt['regex_schema'], text), f'{text!r} does not match {fmt["regex_schema"]!r}'
+
+
+def is_valid(text: str, fmt: dict | None) -> bool:
+    try:
+        check_valid(text, fmt)
+    except (AssertionError, ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def gen_config(fmt: dict | None = None, *, sampling: bool = False, seed: int = 0, **kwargs):
+    from lmdeploy import GenerationConfig
+    kwargs.setdefault('max_new_tokens', MAX_NEW_TOKENS)
+    if sampling:
+        kwargs.update(do_sample=True, random_seed=seed)
+        kwargs.setdefault('temperature', 0.8)
+        kwargs.setdefault('top_k', 20)
+    return GenerationConfig(response_format=fmt, **kwargs)
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class Engines:
+    """Pipelines of the named CPU models, built on first use and shared by the tests of a session."""
+
+    def __init__(self):
+        self._pipes = {}
+
+    def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS):
+        key = (target, spec, num_spec_tokens if spec else 0)
+        if key not in self._pipes:
+            self._pipes[key] = self._build(target, spec, num_spec_tokens)
+        return self._pipes[key]
+
+    @staticmethod
+    def _build(target: str, spec: bool, num_spec_tokens: int):
+        from lmdeploy import PytorchEngineConfig, pipeline
+        from lmdeploy.messages import SpeculativeConfig
+
+        from lmdeploy_guided_spec.cpu import models
+        speculative_config = None
+        if spec:
+            method, draft = models.SPECULATIVE[target]
+            speculative_config = SpeculativeConfig(method=method, model=models.resolve(draft) if draft else '',
+                                                   num_speculative_tokens=num_spec_tokens)
+        pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+                        speculative_config=speculative_config, log_level='ERROR')
+        # lmdeploy's GuidedDecodingManager keeps matchers in a class attribute keyed by session id, and session ids
+        # restart at 0 in every engine: give each engine of this process its own, as separate processes would have
+        manager(pipe).processors = {}
+        return pipe
+
+    def close(self):
+        for pipe in self._pipes.values():
+            pipe.close()
+        self._pipes.clear()
+
+
+def model_agent(pipe):
+    """The in-process model agent of a pipeline's engine."""
+    return pipe.async_engine.engine.executor.model_agent
+
+
+def manager(pipe):
+    """The pipeline engine's ``GuidedDecodingManager``."""
+    return model_agent(pipe).guided_decoding_manager
+
+
+def generate(pipe, prompts: list[str], configs) -> list[Output]:
+    """Non-streaming batch generation."""
+    responses = pipe(prompts, gen_config=configs)
+    return [Output(r.text, list(r.token_ids), r.finish_reason) for r in responses]
+
+
+def stream(pipe, prompts: list[str], configs) -> list[Output]:
+    """Streaming batch generation: the chunks of every request put together."""
+    texts = [''] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    reasons: list[str | None] = [None] * len(prompts)
+    for chunk in pipe.stream_infer(prompts, gen_config=configs):
+        texts[chunk.index] += chunk.text
+        tokens[chunk.index] += list(chunk.token_ids or [])
+        if chunk.finish_reason is not None:
+            reasons[chunk.index] = chunk.finish_reason
+    return [Output(t, ids, r) for t, ids, r in zip(texts, tokens, reasons)]
+
+
+PROMPTS = [
+    'Describe a person as JSON.', 'Who wrote the first program?', 'Give me a record.', 'List three colours.',
+    'A customer, please.', 'Write an order code.', 'What is the weather like?', 'Name a river and its length.',
+]

@@ -1,0 +1,73 @@
+"""Greedy guided speculative decoding equals greedy guided decoding without speculation, token for token, over
+32 schema/prompt pairs per proposer; every output is a complete, valid instance of its format."""
+import pytest
+from e2e_helpers import METHODS, check_valid, gen_config, generate, response_format
+
+_S = {'type': 'string', 'maxLength': 12}
+_I = {'type': 'integer', 'minimum': -50, 'maximum': 5000}
+SCHEMAS = [
+    {'type': 'object', 'properties': {'name': _S}, 'required': ['name']},
+    {'type': 'object', 'properties': {'name': _S, 'age': _I}, 'required': ['name', 'age']},
+    {'type': 'object', 'properties': {'ok': {'type': 'boolean'}, 'n': _I}, 'required': ['ok', 'n']},
+    {'type': 'object', 'properties': {'status': {'enum': ['active', 'activated', 'inactive']}},
+     'required': ['status']},
+    {'type': 'object', 'properties': {'level': {'enum': [1, 10, 100]}, 'note': _S}, 'required': ['level', 'note']},
+    {'type': 'object', 'properties': {'tags': {'type': 'array', 'items': _S, 'maxItems': 3}}, 'required': ['tags']},
+    {'type': 'object', 'properties': {'xs': {'type': 'array', 'items': _I, 'minItems': 1, 'maxItems': 4}},
+     'required': ['xs']},
+    {'type': 'object', 'properties': {'ratio': {'type': 'number', 'minimum': 0, 'maximum': 1},
+                                      'unit': {'enum': ['m', 'kg', 's']}}, 'required': ['ratio', 'unit']},
+    {'type': 'object', 'properties': {'user': {'type': 'object', 'properties': {'id': _I, 'nick': _S},
+                                               'required': ['id', 'nick'], 'additionalProperties': False}},
+     'required': ['user'], 'additionalProperties': False},
+    {'type': 'object', 'properties': {'code': {'type': 'string', 'pattern': '^[A-Z]{2}[0-9]{3}$'}},
+     'required': ['code']},
+    {'type': 'object', 'properties': {'a': {'type': 'null'}, 'b': {'type': 'boolean'}}, 'required': ['a', 'b']},
+    {'type': 'object', 'properties': {'first': _S, 'last': _S, 'email': _S}, 'required': ['first', 'last'],
+     'additionalProperties': False},
+    {'type': 'array', 'items': {'enum': ['red', 'green', 'blue']}, 'minItems': 1, 'maxItems': 3},
+    {'type': 'object', 'properties': {'items': {'type': 'array', 'maxItems': 2, 'items': {
+        'type': 'object', 'properties': {'sku': _S, 'qty': _I}, 'required': ['sku', 'qty']}}},
+     'required': ['items']},
+    {'type': 'object', 'properties': {'answer': {'enum': ['yes', 'no', 'maybe']}, 'why': _S},
+     'required': ['answer']},
+    {'type': 'object', 'properties': {'lat': {'type': 'number', 'minimum': -90, 'maximum': 90},
+                                      'lon': {'type': 'number'}}, 'required': ['lat', 'lon'],
+     'additionalProperties': False},
+    {'type': 'object', 'properties': {'date': {'type': 'string', 'pattern': '^[0-9]{4}-[0-9]{2}-[0-9]{2}$'}},
+     'required': ['date']},
+    {'type': 'object', 'properties': {'k': {'type': 'string', 'minLength': 2, 'maxLength': 4}}, 'required': ['k']},
+    {'type': 'object', 'properties': {'matrix': {'type': 'array', 'maxItems': 2,
+                                                 'items': {'type': 'array', 'items': _I, 'maxItems': 2}}},
+     'required': ['matrix']},
+    {'type': 'object', 'properties': {'id': _I, 'done': {'type': 'boolean'}, 'title': _S},
+     'required': ['id', 'done', 'title'], 'additionalProperties': False},
+]
+REGEXES = [
+    r'[A-Z]{2}-[0-9]{3}', r'(yes|no|maybe)', r'[0-9]{4}-[0-9]{2}-[0-9]{2}', r'#[0-9a-f]{6}',
+    r'[a-z]{3,8}@[a-z]{3,6}\.(com|org)', r'(\+|-)?[0-9]{1,4}\.[0-9]{2}', r'(red|green|blue), (small|large)',
+    r'v[0-9]\.[0-9]{1,2}\.[0-9]{1,2}', r'[A-Z][a-z]{2,6} [A-Z][a-z]{2,6}', r'order-[a-z]{2}-[0-9]{2}-done',
+    r'\(([0-9]{3})\) [0-9]{3}-[0-9]{4}',
+]
+PROMPTS = ['Answer in JSON.', 'Fill in the record.', 'Give a short example.', 'What would a tester write?',
+           'Random data, please.', 'Describe it.', 'One more.', 'The usual format.']
+FORMATS = ([response_format('json_schema', schema=s) for s in SCHEMAS]
+           + [response_format('regex_schema', regex=r) for r in REGEXES] + [response_format('json_object')])
+PAIRS = [(fmt, PROMPTS[i % len(PROMPTS)]) for i, fmt in enumerate(FORMATS)]
+BATCH = 16
+
+
+@pytest.mark.parametrize('method', list(METHODS))
+def test_greedy_speculative_equals_non_speculative(engines, method):
+    assert len(PAIRS) >= 30
+    spec, ref = engines(METHODS[method]), engines(METHODS[method], spec=False)
+    for start in range(0, len(PAIRS), BATCH):
+        chunk = PAIRS[start:start + BATCH]
+        prompts = [p for _, p in chunk]
+        configs = [gen_config(fmt, max_new_tokens=128) for fmt, _ in chunk]
+        outputs = generate(spec, prompts, configs)
+        expected = generate(ref, prompts, configs)
+        for (fmt, prompt), out, exp in zip(chunk, outputs, expected):
+            assert out.token_ids == exp.token_ids, (fmt, prompt, out.text, exp.text)
+            assert out.finish_reason == 'stop', (fmt, out)
+            check_valid(out.text, fmt)
