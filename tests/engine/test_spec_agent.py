@@ -112,7 +112,7 @@ def test_rejected_draft_tokens_leave_state_intact():
     assert not set(path) & set(ids.tolist())
     spec = _requests([_json_schema(SCHEMAS['person'])])
     h = _harness('eagle3', target, PrefixLM(V, path, bias=9.0, seed=1), ids=ids)
-    # grammar-forced drafts would stand in for the missing tokens (tests/engine/test_forced_speculation.py)
+    # grammar-forced drafts would stand in for the missing tokens (tests/engine/test_spec_agent_forced.py)
     h.agent.guided_spec.forced_drafts = False
     h.generate(spec)
     assert spec[0].tokens == path

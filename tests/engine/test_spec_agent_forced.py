@@ -87,12 +87,12 @@ def test_grammar_method_random_sampling_stays_valid():
     path = _path(json.dumps(INSTANCES['enum_prefixes'][0]))
     target = PrefixLM(V, path, bias=6.0, seed=1, scale=2.0)
     fmt = _json_schema(SCHEMAS['enum_prefixes'], 'single')
-    reqs = _requests([fmt, fmt, None], 24, greedy=False)
+    reqs = _requests([fmt, None], 20, greedy=False)
     h = SpecHarness(_tok(), V, target, None, method='grammar', num_spec_tokens=3)
     h.generate(reqs)
     compiled = testing.grammar_compiler(NAME).compile_json_schema(json.dumps(SCHEMAS['enum_prefixes']),
                                                                   any_whitespace=False)
-    for r in reqs[:2]:
+    for r in reqs[:1]:
         m = new_matcher(compiled)
         assert all(m.accept_token(t) for t in r.tokens if t != _tok().eos_token_id), _tok().decode(r.tokens)
     assert any(r.accepted_drafts for r in h.records if r.guided)

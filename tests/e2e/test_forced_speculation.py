@@ -1,0 +1,199 @@
+"""Methods ``grammar`` and ``fsm`` (no draft model) through ``pipeline`` and ``api_server`` on the CPU path.
+
+Greedy output must equal lmdeploy's guided decoding without speculation (grammar), or not depend on the number of
+draft tokens (fsm, which has no non-speculative counterpart in lmdeploy); every output must keep to its grammar or
+FSM; the grammar forces part of the JSON, so steps commit more than one token.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from e2e_helpers import ENGINE_KWARGS, PERSON, PROMPTS, check_valid, gen_config, generate, manager, model_agent, stream
+
+from lmdeploy_guided_spec.fsm import Fsm
+
+STARTUP_S = 300
+SINGLE = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}, 'whitespace': 'single'}
+COMPACT_OBJECT = {'type': 'json_object', 'whitespace': 'compact'}
+REGEX = {'type': 'regex_schema', 'regex_schema': r'(yes|no), because [a-z ]{1,20}\. Confidence: (low|high)'}
+
+
+def _pipeline(target: str, method: str, k: int, fsm_path: str | None = None):
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec.cpu import models
+    spec = SpeculativeConfig(method=method, model=fsm_path or '', num_speculative_tokens=k)
+    pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+                    speculative_config=spec, log_level='ERROR')
+    manager(pipe).processors = {}  # one GuidedDecodingManager per engine of this process (see e2e_helpers)
+    return pipe
+
+
+def _record_commits(pipe) -> list[int]:
+    """Tokens committed per step for guided rows, recorded from the engine's grammar commits."""
+    guided = model_agent(pipe).spec_agent.guided_spec
+    counts: list[int] = []
+    commit_async = guided.commit_async
+
+    def recording(matchers, token_ids):
+        rows = token_ids.tolist()
+        for row in matchers:
+            tokens = rows[row] if isinstance(rows[row], list) else [rows[row]]
+            counts.append(sum(1 for t in tokens if t >= 0))
+        return commit_async(matchers, token_ids)
+
+    guided.commit_async = recording
+    return counts
+
+
+def _answer_fsm(tokenizer) -> dict:
+    """'Answer:' then ' yes' and EOS, or ' no, because' + free text (wildcard) until '.' and EOS."""
+    t = {p: tokenizer.encode(p, add_special_tokens=False) for p in ('Answer', ':', ' yes', ' no', ',', ' because', '.')}
+    assert all(len(ids) == 1 for ids in t.values())
+    t = {p: ids[0] for p, ids in t.items()}
+    eos = tokenizer.eos_token_id
+    graph = {0: {t['Answer']: 1}, 1: {t[':']: 2}, 2: {t[' yes']: 3, t[' no']: 4}, 3: {eos: 9}, 4: {t[',']: 5},
+             5: {t[' because']: 6}, 6: {-1: 6, t['.']: 7}, 7: {eos: 9}, 9: {}}
+    return {str(s): {str(tok): nxt for tok, nxt in edges.items()} for s, edges in graph.items()}
+
+
+@pytest.fixture(scope='module')
+def fsm_file(cpu_path, tmp_path_factory):
+    from lmdeploy_guided_spec import testing
+    path = tmp_path_factory.mktemp('fsm') / 'answer_fsm.json'
+    path.write_text(json.dumps(_answer_fsm(testing.load_tokenizer('llama3'))))
+    return path
+
+
+@pytest.mark.parametrize('target', ['tiny-llama', 'tiny-deepseek-mtp'])
+def test_grammar_pipeline_equals_non_speculative(engines, target):
+    """Any target architecture (DeepSeek's config accepts no other speculative method than deepseek_mtp upstream),
+    JSON with both whitespace options, a regex and an unguided request in one batch, batch and streaming."""
+    formats = [SINGLE, COMPACT_OBJECT, REGEX, None]
+    configs = [gen_config(f, max_new_tokens=64) for f in formats]
+    reference = generate(engines(target, spec=False), PROMPTS[:4], configs)
+    pipe = _pipeline(target, 'grammar', 6)
+    try:
+        commits = _record_commits(pipe)
+        outputs = generate(pipe, PROMPTS[:4], configs)
+        streamed = stream(pipe, PROMPTS[:4], configs)
+    finally:
+        pipe.close()
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert [o.token_ids for o in streamed] == [r.token_ids for r in reference]
+    for out, fmt in zip(outputs[:3], formats[:3]):
+        if out.finish_reason == 'stop':
+            check_valid(out.text, fmt)
+    assert json.loads(outputs[0].text) and ': ' in outputs[0].text, 'single spaces after colons'
+    assert max(commits) > 2, 'forced drafts are accepted: some steps commit several tokens'
+
+
+def test_fsm_pipeline_keeps_to_the_fsm(cpu_path, engines, fsm_file):
+    """Requests without a response_format follow the FSM (greedy output does not depend on k); a request with one
+    follows its grammar, exactly as without speculation."""
+    from lmdeploy_guided_spec import testing
+    tok = testing.load_tokenizer('llama3')
+    fsm = Fsm.load(fsm_file, vocab_size=128256, stop_token_ids=[128001, 128008, 128009])
+    configs = [gen_config(None, max_new_tokens=24), gen_config(SINGLE, max_new_tokens=64)]
+    # sampling in a batch of its own: lmdeploy 0.14.0 reads per-request greedy flags from per-position rows in
+    # rejection sampling, so batches that mix greedy and sampling requests are not exercised here
+    sampled = gen_config(None, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=40, random_seed=3)
+    runs = {}
+    for k in (2, 5):
+        pipe = _pipeline('tiny-llama', 'fsm', k, str(fsm_file))
+        try:
+            commits = _record_commits(pipe)
+            runs[k] = (generate(pipe, PROMPTS[:2], configs) + generate(pipe, PROMPTS[2:3], [sampled]), commits)
+        finally:
+            pipe.close()
+    (two, _), (five, commits) = runs[2], runs[5]
+    assert two[0].token_ids == five[0].token_ids and two[1].token_ids == five[1].token_ids
+    for out in (five[0], five[2]):
+        m = fsm.matcher()
+        assert all(m.accept_token(t) for t in out.token_ids), out
+        assert out.text.startswith('Answer:'), out.text
+        assert out.finish_reason == ('stop' if m.is_terminated() else 'length')
+    reference = generate(engines('tiny-llama', spec=False), PROMPTS[1:2], configs[1:2])
+    assert five[1].token_ids == reference[0].token_ids
+    assert max(commits) >= 2, "'Answer' ':' and the other single edges are drafted and accepted"
+    assert tok.decode(five[0].token_ids[:2]) == 'Answer:'
+
+
+# -- api_server ----------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], log) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch', *args,
+           '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', '4',
+           '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
+    with open(log, 'wb') as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f'http://127.0.0.1:{port}'
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f'api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}')
+        try:
+            urllib.request.urlopen(f'{base}/v1/models', timeout=2)
+            return proc, base
+        except OSError:
+            if time.monotonic() > deadline:
+                _stop(proc)
+                pytest.fail(f'api_server not up after {STARTUP_S} s:\n{log.read_text()[-4000:]}')
+            time.sleep(1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    # the server and the engine process it spawned share the new session's process group
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=120, max_retries=0)
+    kwargs = dict(model=client.models.list().data[0].id, messages=[{'role': 'user', 'content': prompt}],
+                  max_tokens=max_tokens, temperature=0)
+    if fmt is not None:
+        kwargs['response_format'] = fmt
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    return choice.message.content, choice.finish_reason
+
+
+@pytest.mark.parametrize('method', ['grammar', 'fsm'])
+def test_api_server(cpu_path, fsm_file, tmp_path, method):
+    args = ['--speculative-algorithm', method, '--speculative-num-draft-tokens', '4']
+    if method == 'fsm':
+        args += ['--speculative-draft-model', str(fsm_file)]
+    proc, base = _start(args, tmp_path / 'server.log')
+    try:
+        text, reason = _chat(base, SINGLE)
+        assert reason == 'stop', text
+        check_valid(text, SINGLE)
+        assert ': ' in text
+        text, reason = _chat(base, COMPACT_OBJECT)
+        assert reason == 'stop' and isinstance(json.loads(text), dict) and ': ' not in text, text
+        with pytest.raises(openai.UnprocessableEntityError):
+            _chat(base, {'type': 'json_object', 'whitespace': 'none'})
+        text, reason = _chat(base, None, prompt='Will it rain tomorrow?', max_tokens=16)
+        if method == 'fsm':
+            assert text.startswith('Answer:'), text
+        assert proc.poll() is None
+    finally:
+        _stop(proc)
