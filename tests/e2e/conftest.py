@@ -34,10 +34,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope='session')
 def cpu_path():
     """The CPU path, active for the rest of the session."""
+    from e2e_helpers import serialize_forwards
+
     from lmdeploy_guided_spec import cpu
     from lmdeploy_guided_spec.cpu import hook
     cpu.activate()
     hook.install()
+    # several engines live in this process: see serialize_forwards
+    serialize_forwards()
     return cpu
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 import jsonschema
@@ -75,11 +76,40 @@ class Output:
     finish_reason: str | None
 
 
+_FORWARD_LOCK = threading.Lock()
+
+
+def serialize_forwards() -> None:
+    """Let the engines of this process run their forwards one at a time.
+
+    lmdeploy keeps the current step context in a process-wide singleton (``StepCtxMgrApi``) that every forward sets
+    and restores, and that layers read (linear, MoE). An engine is alone in its process in normal use; the tests keep
+    several pipelines in one process, and an engine's trailing step can overlap the next test's requests to another
+    engine, which then reads a foreign or cleared context. So the model and draft forwards of all engines take one
+    lock.
+    """
+    from lmdeploy.pytorch.engine.model_agent import agent
+    from lmdeploy.pytorch.spec_decode.proposers import base
+
+    for module, name in ((agent, 'model_forward'), (base, 'draft_model_forward')):
+        forward = getattr(module, name)
+        if getattr(forward, 'serialized', False):
+            continue
+
+        def serialized(*args, _forward=forward, **kwargs):
+            with _FORWARD_LOCK:
+                return _forward(*args, **kwargs)
+
+        serialized.serialized = True
+        setattr(module, name, serialized)
+
+
 class Engines:
     """Pipelines of the named CPU models, built on first use and shared by the tests of a session."""
 
     def __init__(self):
         self._pipes = {}
+        serialize_forwards()
 
     def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS):
         key = (target, spec, num_spec_tokens if spec else 0)
