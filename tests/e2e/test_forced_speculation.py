@@ -6,6 +6,7 @@ FSM; the grammar forces part of the JSON, so steps commit more than one token.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -201,3 +202,67 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
         assert proc.poll() is None
     finally:
         _stop(proc)
+
+
+# -- bad FSM files -------------------------------------------------------------------------------------------------
+# found while the speculative config is built (the structure of the file) or while the engine builds the proposer
+# (token ids against the model's vocabulary)
+BAD_FSMS = {
+    'unknown state': ({'0': {'5': 1}, '1': {'6': 7}}, 'state 1: token 6 leads to unknown state 7'),
+    'bad token id': ({'0': {'999999': 0}}, r'state 0: token id 999999 is outside the vocabulary \[0, 128256\)'),
+    'unreachable states': ({'0': {'5': 0}, '3': {'6': 4}, '4': {'7': 3}},
+                           r'2 state\(s\) cannot be reached from the start state 0: 3, 4'),
+    'missing start state': ({'1': {'5': 1}}, 'there is no start state 0; generation starts there'),
+}
+
+
+@pytest.fixture(params=list(BAD_FSMS))
+def bad_fsm(request, tmp_path):
+    graph, message = BAD_FSMS[request.param]
+    path = tmp_path / f"{request.param.replace(' ', '_')}.json"
+    path.write_text(json.dumps(graph))
+    return path, message
+
+
+def test_pipeline_rejects_bad_fsm_files(cpu_path, engines, bad_fsm):
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec import FsmError
+    from lmdeploy_guided_spec.cpu import models
+    path, message = bad_fsm
+    with pytest.raises(FsmError, match=f'FSM file {path}: {message}'):
+        spec = SpeculativeConfig(method='fsm', model=str(path), num_speculative_tokens=3)
+        pipeline(models.resolve('tiny-llama'), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+                 speculative_config=spec, log_level='ERROR')
+    # the engines of the session still serve
+    out = generate(engines('tiny-llama', spec=False), PROMPTS[:1], [gen_config(SINGLE, max_new_tokens=8)])
+    assert len(out[0].token_ids) == 8
+
+
+@pytest.mark.parametrize('kind', ['missing start state', 'bad token id'])
+def test_api_server_refuses_to_start_with_a_bad_fsm_file(cpu_path, tmp_path, kind):
+    """The server exits with an error that names the file and the fault instead of serving."""
+    graph, message = BAD_FSMS[kind]
+    path = tmp_path / 'bad_fsm.json'
+    path.write_text(json.dumps(graph))
+    log = tmp_path / 'server.log'
+    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch',
+           '--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3', '--speculative-draft-model',
+           str(path), '--server-name', '127.0.0.1', '--server-port', str(_free_port()), '--max-batch-size', '4',
+           '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
+    with open(log, 'wb') as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc.wait(timeout=STARTUP_S)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pytest.fail(f'api_server still running with a bad FSM file:\n{log.read_text()[-4000:]}')
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # an engine process left behind, if any
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert proc.returncode != 0, text[-4000:]
+    assert re.search(f'FsmError: FSM file {path}: {message}', text), text[-4000:]
