@@ -343,41 +343,54 @@ def run_engine(label: str, model: str, method: str | None, k: int, forced: bool,
             for r in json.loads(lines[-1][len('RESULT '):])}
 
 
-def engine_table(title: str, names: list[str], runs: dict[str, dict[str, Run]], groups: list[list[str]]) -> bool:
-    """Print tokens per target forward (wall seconds) per schema and overall; outputs identical within each group."""
-    schemas = list(runs[names[0]])
+def print_table(title: str, names: list[str], runs: dict[str, dict[str, Run]],
+                identical: dict[str, bool]) -> dict[str, tuple[int, int, float]]:
+    """Print tokens per target forward (wall seconds) per schema and overall, the tokens column from the first
+    column; returns each column's totals (tokens, target forwards, seconds)."""
+    schemas = list(identical)
     width = max(len(s) for s in schemas + ['overall'])
-    identical_all = True
     print(f'\n{title}\n{"schema":<{width}} {"tokens":>6} ' + ' '.join(f'{n:>18}' for n in names) + ' identical')
     for schema in schemas:
-        identical = all(runs[n][schema].tokens == runs[g[0]][schema].tokens for g in groups for n in g)
-        identical_all &= identical
         cells = ' '.join(f'{runs[n][schema].per_forward:>10.2f} ({runs[n][schema].seconds:>5.1f})' for n in names)
-        print(f'{schema:<{width}} {len(runs[names[0]][schema].tokens):>6} {cells} {"yes" if identical else "NO"}')
-    totals = {n: [sum(len(r.tokens) for r in runs[n].values()), sum(r.forwards for r in runs[n].values()),
-                  sum(r.seconds for r in runs[n].values())] for n in names}
+        print(f'{schema:<{width}} {len(runs[names[0]][schema].tokens):>6} {cells} '
+              f'{"yes" if identical[schema] else "NO"}')
+    totals = {n: (sum(len(r.tokens) for r in runs[n].values()), sum(r.forwards for r in runs[n].values()),
+                  sum(r.seconds for r in runs[n].values())) for n in names}
     cells = ' '.join(f'{t[0] / t[1]:>10.2f} ({t[2]:>5.1f})' for t in totals.values())
-    print(f'{"overall":<{width}} {totals[names[0]][0]:>6} {cells} {"yes" if identical_all else "NO"}')
+    print(f'{"overall":<{width}} {totals[names[0]][0]:>6} {cells} {"yes" if all(identical.values()) else "NO"}')
+    return totals
+
+
+def wall_ratios(totals: dict[str, tuple[int, int, float]], group: list[str]) -> str:
+    """Wall time of each column of ``group`` after the first, against the first."""
+    return ', '.join(f'{n} {totals[n][2] / totals[group[0]][2]:.2f}x' for n in group[1:])
+
+
+def engine_table(title: str, runs: dict[str, dict[str, Run]],
+                 groups: list[list[str]]) -> tuple[dict[str, tuple[int, int, float]], bool]:
+    """The engine part's table; outputs must be identical to the first column of their group."""
+    names = [n for group in groups for n in group]
+    identical = {schema: all(runs[n][schema].tokens == runs[g[0]][schema].tokens for g in groups for n in g)
+                 for schema in runs[names[0]]}
+    totals = print_table(title, names, runs, identical)
     for group in groups:
-        base = totals[group[0]][2]
-        print(f'wall time against {group[0]}: ' + ', '.join(f'{n} {totals[n][2] / base:.2f}x' for n in group[1:]))
-    return identical_all
+        print(f'wall time against {group[0]}: {wall_ratios(totals, group)}')
+    return totals, all(identical.values())
 
 
 def engine_part(args) -> tuple[float, bool]:
     """SmolLM2 and the tiny models through lmdeploy's own pipeline; returns grammar k=8's tokens per forward."""
     print('\n== lmdeploy 0.14.0 PyTorch engine, patched, on the CPU path (one engine process per column) ==')
     runs = {name: run_engine(name, *conf, args) for name, conf in ENGINE_RUNS.items()}
-    identical = engine_table('SmolLM2-135M-Instruct, tokens per target forward (wall seconds)', list(ENGINE_RUNS),
-                             runs, [list(ENGINE_RUNS)])
-    grammar8 = runs['grammar k=8'].values()
-    per_forward = sum(len(r.tokens) for r in grammar8) / sum(r.forwards for r in grammar8)
+    totals, identical = engine_table('SmolLM2-135M-Instruct, tokens per target forward (wall seconds)', runs,
+                                     [list(ENGINE_RUNS)])
     if not args.no_windows:
         tiny = {name: run_engine(name, *conf, args) for name, conf in TINY_RUNS.items()}
         names = list(TINY_RUNS)
         identical &= engine_table('tiny random models (acceptance means nothing beyond forced drafts), tokens per '
-                                  'target forward (wall seconds)', names, tiny, [names[:3], names[3:]])
-    return per_forward, identical
+                                  'target forward (wall seconds)', tiny, [names[:3], names[3:]])[1]
+    tokens, forwards, _ = totals['grammar k=8']
+    return tokens / forwards, identical
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------------
@@ -450,56 +463,38 @@ def core_part(args) -> tuple[float, bool]:
             f'eagle3 k={k} +forced': Speculative(manager(True), target, k, eos, draft=draft, draft_ids=draft_ids),
         })
 
-    files = sorted(DATA.glob('*.json'))
-    if args.schemas:
-        files = files[:args.schemas]
+    items = _schemas(args.schemas)
     print(f'target SmolLM2-135M-Instruct (vocab {vocab}), greedy, fp32, {torch.get_num_threads()} torch threads; '
-          f'{len(files)} schemas, whitespace single, max {args.max_new_tokens} new tokens')
+          f'{len(items)} schemas, whitespace single, max {args.max_new_tokens} new tokens')
     if not args.no_windows:
         print(f'draft windows: SmolLM2 first {args.draft_layers} layers; eagle3 draft vocabulary = first '
               f'{len(draft_ids)} ids')
     names = ['non-spec', *methods] + (['grammar k=8 ws=any'] if args.whitespace_any else [])
-    totals = {name: [0, 0, 0.0] for name in names}  # tokens, forwards, seconds
-    identical_all = True
-    rows = []
-    for file in files:
-        item = json.loads(file.read_text())
-        messages = [{'role': 'system', 'content': SYSTEM},
-                    {'role': 'user', 'content': f'{item["prompt"]}\nJSON schema: {json.dumps(item["schema"])}'}]
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    columns: dict[str, dict[str, Run]] = {name: {} for name in names}
+    identical: dict[str, bool] = {}
+    for item in items:
+        prompt = tok.apply_chat_template(_messages(item), add_generation_prompt=True, tokenize=True)
         compiled = compiler.compile_json_schema(json.dumps(item['schema']), **WHITESPACE['single'])
         runs = {'non-spec': non_speculative(target, prompt, compiled, vocab, eos, args.max_new_tokens)}
         for name, method in methods.items():
             runs[name] = method.run(prompt, compiled, args.max_new_tokens)
-        identical = all(run.tokens == runs['non-spec'].tokens for run in runs.values())
+        same = all(run.tokens == runs['non-spec'].tokens for run in runs.values())
         if args.whitespace_any:
             compiled_any = compiler.compile_json_schema(json.dumps(item['schema']), **WHITESPACE['any'])
             reference = non_speculative(target, prompt, compiled_any, vocab, eos, args.max_new_tokens)
             runs['grammar k=8 ws=any'] = methods['grammar k=8'].run(prompt, compiled_any, args.max_new_tokens)
-            identical &= runs['grammar k=8 ws=any'].tokens == reference.tokens
-        identical_all &= identical
+            same &= runs['grammar k=8 ws=any'].tokens == reference.tokens
+        identical[item['name']] = same
         for name, run in runs.items():
-            total = totals[name]
-            total[0] += len(run.tokens)
-            total[1] += run.forwards
-            total[2] += run.seconds
-        rows.append((item['name'], runs, identical))
+            columns[name][item['name']] = run
         text = tok.decode(runs['non-spec'].tokens, skip_special_tokens=True)
-        print(f'  {item["name"]}: {len(runs["non-spec"].tokens)} tokens, identical={identical}: {text[:100]}',
+        print(f'  {item["name"]}: {len(runs["non-spec"].tokens)} tokens, identical={same}: {text[:100]}',
               file=sys.stderr)
 
-    width = max(len(name) for name, _, _ in rows)
-    head = ' '.join(f'{name:>18}' for name in names)
-    print(f'\ntokens per target forward (wall seconds)\n{"schema":<{width}} {"tokens":>6} {head} identical')
-    for name, runs, identical in rows:
-        cells = ' '.join(f'{runs[n].per_forward:>10.2f} ({runs[n].seconds:>5.1f})' for n in names)
-        print(f'{name:<{width}} {len(runs["non-spec"].tokens):>6} {cells} {"yes" if identical else "NO"}')
-    cells = ' '.join(f'{t[0] / t[1]:>10.2f} ({t[2]:>5.1f})' for t in (totals[n] for n in names))
-    print(f'{"overall":<{width}} {totals["non-spec"][0]:>6} {cells} {"yes" if identical_all else "NO"}')
-    base = totals['non-spec'][2]
-    print('\nwall time against non-speculative: ' + ', '.join(f'{n} {totals[n][2] / base:.2f}x' for n in names[1:]))
-    grammar8 = totals['grammar k=8']
-    return grammar8[0] / grammar8[1], identical_all
+    totals = print_table('tokens per target forward (wall seconds)', names, columns, identical)
+    print(f'\nwall time against non-speculative: {wall_ratios(totals, names)}')
+    tokens, forwards, _ = totals['grammar k=8']
+    return tokens / forwards, all(identical.values())
 
 
 if __name__ == '__main__':
