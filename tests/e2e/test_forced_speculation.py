@@ -139,13 +139,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], log) -> tuple[subprocess.Popen, str]:
+def _spawn(args: list[str], log) -> tuple[subprocess.Popen, int]:
+    """``lmdeploy serve api_server`` for tiny-llama on the CPU path, in a new session, its output in ``log``."""
     port = _free_port()
     cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch', *args,
            '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', '4',
            '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
     with open(log, 'wb') as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, port
+
+
+def _start(args: list[str], log) -> tuple[subprocess.Popen, str]:
+    proc, port = _spawn(args, log)
     base = f'http://127.0.0.1:{port}'
     deadline = time.monotonic() + STARTUP_S
     while True:
@@ -216,12 +222,17 @@ BAD_FSMS = {
 }
 
 
-@pytest.fixture(params=list(BAD_FSMS))
-def bad_fsm(request, tmp_path):
-    graph, message = BAD_FSMS[request.param]
-    path = tmp_path / f"{request.param.replace(' ', '_')}.json"
+def _write_bad_fsm(directory, kind: str):
+    """The FSM file of ``BAD_FSMS[kind]`` in ``directory``, and the message its error must carry."""
+    graph, message = BAD_FSMS[kind]
+    path = directory / f"{kind.replace(' ', '_')}.json"
     path.write_text(json.dumps(graph))
     return path, message
+
+
+@pytest.fixture(params=list(BAD_FSMS))
+def bad_fsm(request, tmp_path):
+    return _write_bad_fsm(tmp_path, request.param)
 
 
 def test_pipeline_rejects_bad_fsm_files(cpu_path, engines, bad_fsm):
@@ -243,16 +254,10 @@ def test_pipeline_rejects_bad_fsm_files(cpu_path, engines, bad_fsm):
 @pytest.mark.parametrize('kind', ['missing start state', 'bad token id'])
 def test_api_server_refuses_to_start_with_a_bad_fsm_file(cpu_path, tmp_path, kind):
     """The server exits with an error that names the file and the fault instead of serving."""
-    graph, message = BAD_FSMS[kind]
-    path = tmp_path / 'bad_fsm.json'
-    path.write_text(json.dumps(graph))
+    path, message = _write_bad_fsm(tmp_path, kind)
     log = tmp_path / 'server.log'
-    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch',
-           '--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3', '--speculative-draft-model',
-           str(path), '--server-name', '127.0.0.1', '--server-port', str(_free_port()), '--max-batch-size', '4',
-           '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
-    with open(log, 'wb') as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, _ = _spawn(['--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3',
+                      '--speculative-draft-model', str(path)], log)
     try:
         proc.wait(timeout=STARTUP_S)
     except subprocess.TimeoutExpired:
