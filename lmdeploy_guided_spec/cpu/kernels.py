@@ -241,6 +241,12 @@ def _rows(is_greedy: Tensor | None, batch: int, greedy: bool) -> Tensor:
     """The rows a kernel handles: without a per-row flag, all of them (the kernels' ``is_greedy_ptr is None``)."""
     if is_greedy is None:
         return torch.ones(batch, dtype=torch.bool)
+    if is_greedy.shape != (batch, ):
+        # the Triton kernels index the flag by request (grid (batch,)) and would silently read the flags of other
+        # rows: refuse what they would misread
+        raise ValueError(f'rejection sampling got is_greedy of shape {tuple(is_greedy.shape)} for {batch} requests; '
+                         'it needs one flag per request (sampling inputs of the requests, not of their draft '
+                         'positions)')
     return is_greedy.bool() if greedy else ~is_greedy.bool()
 
 

@@ -130,15 +130,28 @@ class Engines:
                                                    num_speculative_tokens=num_spec_tokens)
         pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
                         speculative_config=speculative_config, log_level='ERROR')
-        # lmdeploy's GuidedDecodingManager keeps matchers in a class attribute keyed by session id, and session ids
-        # restart at 0 in every engine: give each engine of this process its own, as separate processes would have
-        manager(pipe).processors = {}
         return pipe
 
     def close(self):
         for pipe in self._pipes.values():
             pipe.close()
         self._pipes.clear()
+
+
+def draft_free_pipeline(engines: Engines, target: str, method: str, k: int, fsm_path: str | None = None):
+    """A pipeline with a draft-free method (``grammar``, ``fsm``), built once and closed with the session's other
+    engines (closing an engine while others of the process live on is not what the pool does)."""
+    key = ('draft-free', target, method, k, fsm_path)
+    pipes = engines._pipes
+    if key not in pipes:
+        from lmdeploy import PytorchEngineConfig, pipeline
+        from lmdeploy.messages import SpeculativeConfig
+
+        from lmdeploy_guided_spec.cpu import models
+        spec = SpeculativeConfig(method=method, model=fsm_path or '', num_speculative_tokens=k)
+        pipes[key] = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+                              speculative_config=spec, log_level='ERROR')
+    return pipes[key]
 
 
 def model_agent(pipe):

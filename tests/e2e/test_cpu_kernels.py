@@ -62,6 +62,21 @@ def test_rejection_greedy_kernel(greedy_rows):
     assert torch.equal(ours, theirs)
 
 
+def test_rejection_kernels_refuse_flags_of_draft_positions():
+    """Defect 1 of the deployment issue: one greedy flag per draft position (batch x k) would be misread by the
+    Triton kernels, which index the flags by request; the CPU path says so instead of guessing."""
+    batch, k = 2, 3
+    draft = torch.zeros(batch, k, dtype=torch.long)
+    out = torch.full((batch, k + 1), -1, dtype=torch.long)
+    flags = torch.tensor([True] * k + [False] * k)
+    with pytest.raises(ValueError, match='one flag per request'):
+        kernels.rejection_greedy_sample(out, draft, draft, torch.zeros(batch, dtype=torch.long), flags, k)
+    probs = torch.full((batch, k, 8), 1 / 8)
+    with pytest.raises(ValueError, match='one flag per request'):
+        kernels.rejection_random_sample(out, draft, None, probs, torch.zeros(batch, dtype=torch.long), draft,
+                                        torch.rand(batch, k, dtype=torch.float64), flags, k, 8)
+
+
 @pytest.mark.parametrize('with_draft_probs', [False, True])
 @pytest.mark.parametrize('greedy_rows', [None, [False, True, False, False]])
 def test_rejection_random_and_recovered_kernels(with_draft_probs, greedy_rows):

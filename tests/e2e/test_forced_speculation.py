@@ -16,7 +16,17 @@ import urllib.request
 
 import openai
 import pytest
-from e2e_helpers import ENGINE_KWARGS, PERSON, PROMPTS, check_valid, gen_config, generate, manager, model_agent, stream
+from e2e_helpers import (
+    ENGINE_KWARGS,
+    PERSON,
+    PROMPTS,
+    check_valid,
+    draft_free_pipeline,
+    gen_config,
+    generate,
+    model_agent,
+    stream,
+)
 
 from lmdeploy_guided_spec.fsm import Fsm
 
@@ -24,24 +34,6 @@ STARTUP_S = 300
 SINGLE = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}, 'whitespace': 'single'}
 COMPACT_OBJECT = {'type': 'json_object', 'whitespace': 'compact'}
 REGEX = {'type': 'regex_schema', 'regex_schema': r'(yes|no), because [a-z ]{1,20}\. Confidence: (low|high)'}
-
-
-def _pipeline(engines, target: str, method: str, k: int, fsm_path: str | None = None):
-    """A pipeline with a draft-free method, built once and closed with the session's other engines (closing an
-    engine while others of the process live on is not what the pool does)."""
-    key = ('draft-free', target, method, k, fsm_path)
-    pipes = engines._pipes
-    if key not in pipes:
-        from lmdeploy import PytorchEngineConfig, pipeline
-        from lmdeploy.messages import SpeculativeConfig
-
-        from lmdeploy_guided_spec.cpu import models
-        spec = SpeculativeConfig(method=method, model=fsm_path or '', num_speculative_tokens=k)
-        pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
-                        speculative_config=spec, log_level='ERROR')
-        manager(pipe).processors = {}  # one GuidedDecodingManager per engine of this process (see e2e_helpers)
-        pipes[key] = pipe
-    return pipes[key]
 
 
 def _record_commits(pipe) -> list[int]:
@@ -87,7 +79,7 @@ def test_grammar_pipeline_equals_non_speculative(engines, target):
     formats = [SINGLE, COMPACT_OBJECT, REGEX, None]
     configs = [gen_config(f, max_new_tokens=64) for f in formats]
     reference = generate(engines(target, spec=False), PROMPTS[:4], configs)
-    pipe = _pipeline(engines, target, 'grammar', 6)
+    pipe = draft_free_pipeline(engines, target, 'grammar', 6)
     commits = _record_commits(pipe)
     outputs = generate(pipe, PROMPTS[:4], configs)
     streamed = stream(pipe, PROMPTS[:4], configs)
@@ -112,7 +104,7 @@ def test_fsm_pipeline_keeps_to_the_fsm(cpu_path, engines, fsm_file):
     sampled = gen_config(None, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=40, random_seed=3)
     runs = {}
     for k in (2, 5):
-        pipe = _pipeline(engines, 'tiny-llama', 'fsm', k, str(fsm_file))
+        pipe = draft_free_pipeline(engines, 'tiny-llama', 'fsm', k, str(fsm_file))
         commits = _record_commits(pipe)
         runs[k] = (generate(pipe, PROMPTS[:2], configs) + generate(pipe, PROMPTS[2:3], [sampled]), commits)
     (two, _), (five, commits) = runs[2], runs[5]

@@ -1,0 +1,85 @@
+"""Traffic as deployments see it, through ``pipeline`` on the CPU path: greedy and sampling requests in one batch,
+guided and unguided side by side, a JSON schema given as a string, several engines in one process.
+
+Each test names the defect of the issue "The engine never dies, never stalls, never drops the grammar" that it
+guards against.
+"""
+import json
+
+import pytest
+from e2e_helpers import (
+    METHODS,
+    PERSON,
+    PROMPTS,
+    check_valid,
+    draft_free_pipeline,
+    gen_config,
+    generate,
+    manager,
+    response_format,
+)
+
+MIXED = [('json_schema', False), ('json_schema', True), ('text', False), ('text', True), ('regex_schema', True),
+         ('regex_schema', False)]
+
+
+def _mixed_configs(seed: int):
+    return [gen_config(response_format(kind), sampling=sampling, seed=seed + i,
+                       max_new_tokens=96 if kind != 'text' else 24)
+            for i, (kind, sampling) in enumerate(MIXED)]
+
+
+def _spec_pipeline(engines, method: str):
+    if method == 'grammar':
+        return draft_free_pipeline(engines, 'tiny-llama', 'grammar', 3)
+    return engines(METHODS[method])
+
+
+def _target(method: str) -> str:
+    return 'tiny-llama' if method == 'grammar' else METHODS[method]
+
+
+@pytest.mark.parametrize('method', [*METHODS, 'grammar'])
+def test_mixed_greedy_and_sampling_batch(engines, method):
+    """Defect 1: greedy and sampling requests in one batch (lmdeploy handed the rejection sampler batch x k rows of
+    per-request flags; the CPU path's kernels raised, and the engine stopped for every request)."""
+    pipe = _spec_pipeline(engines, method)
+    prompts = PROMPTS[:len(MIXED)]
+    for round_ in range(2):
+        configs = _mixed_configs(seed=10 * round_)
+        outputs = generate(pipe, prompts, configs)
+        for out, (kind, _), config in zip(outputs, MIXED, configs):
+            assert out.finish_reason in ('stop', 'length'), out
+            if kind != 'text':
+                assert out.finish_reason == 'stop', out
+                check_valid(out.text, config.response_format)
+    # greedy rows equal guided decoding without speculation, whatever sampled rows shared their batch
+    greedy = [i for i, (_, sampling) in enumerate(MIXED) if not sampling]
+    ref = generate(engines(_target(method), spec=False), [prompts[i] for i in greedy],
+                   [configs[i] for i in greedy])
+    assert [outputs[i].token_ids for i in greedy] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize('spec', [True, False], ids=['spec', 'non-spec'])
+def test_json_schema_given_as_a_string(engines, spec):
+    """Defect 7: ``json_schema.schema`` as a JSON string passed the entry check, then the engine asserted a dict and
+    stopped for every request."""
+    pipe = engines(METHODS['eagle3'], spec=spec)
+    as_string = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': json.dumps(PERSON)}}
+    as_dict = response_format('json_schema')
+    outputs = generate(pipe, PROMPTS[:1] * 2, [gen_config(as_string), gen_config(as_dict)])
+    for out in outputs:
+        assert out.finish_reason == 'stop', out
+        check_valid(out.text, as_dict)
+    assert outputs[0].token_ids == outputs[1].token_ids
+
+
+def test_engines_of_one_process_keep_their_own_grammar_state(engines):
+    """Defect 9: ``GuidedDecodingManager.processors`` was a class attribute, shared by the engines of a process
+    although their session ids restart at 0 in each."""
+    one, other = engines(METHODS['eagle3']), engines(METHODS['eagle3'], spec=False)
+    assert manager(one).processors is not manager(other).processors
+    fmt = response_format('json_schema')
+    for pipe in (one, other):
+        out = generate(pipe, PROMPTS[:1], [gen_config(fmt)])[0]
+        check_valid(out.text, fmt)
