@@ -5,9 +5,11 @@ Each test names the defect of the issue "The engine never dies, never stalls, ne
 guards against.
 """
 import json
+import math
 
 import pytest
 from e2e_helpers import (
+    ENGINE_KWARGS,
     METHODS,
     PERSON,
     PROMPTS,
@@ -83,3 +85,40 @@ def test_engines_of_one_process_keep_their_own_grammar_state(engines):
     for pipe in (one, other):
         out = generate(pipe, PROMPTS[:1], [gen_config(fmt)])[0]
         check_valid(out.text, fmt)
+
+
+@pytest.fixture(scope='module')
+def raw_logprob_pipes(engines):
+    """eagle3 and non-speculative pipelines with ``logprobs_mode='raw_logprobs'``, closed with the session's."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec.cpu import models
+    pipes = {}
+    for spec in (True, False):
+        key = ('raw_logprobs', spec)
+        if key not in engines._pipes:
+            method, draft = models.SPECULATIVE[METHODS['eagle3']]
+            config = SpeculativeConfig(method=method, model=models.resolve(draft), num_speculative_tokens=3)
+            engines._pipes[key] = pipeline(models.resolve(METHODS['eagle3']),
+                                           backend_config=PytorchEngineConfig(logprobs_mode='raw_logprobs',
+                                                                              **ENGINE_KWARGS),
+                                           speculative_config=config if spec else None, log_level='ERROR')
+        pipes[spec] = engines._pipes[key]
+    return pipes
+
+
+def test_raw_logprobs_of_guided_requests(raw_logprob_pipes):
+    """Defect 8: with raw logprobs, speculative decoding took them after the grammar mask: -inf for every
+    disallowed token (HTTP 500 from the api_server: not JSON compliant) and 0.0 for a forced token."""
+    fmt = response_format('json_schema')
+    config = gen_config(fmt, logprobs=3)
+    spec, ref = (raw_logprob_pipes[s](PROMPTS[:1], gen_config=[config])[0] for s in (True, False))
+    assert list(spec.token_ids) == list(ref.token_ids)
+    check_valid(spec.text, fmt)
+    assert len(spec.logprobs) == len(ref.logprobs) == len(spec.token_ids)
+    for position, (ours, theirs) in enumerate(zip(spec.logprobs, ref.logprobs)):
+        assert all(math.isfinite(v) for v in ours.values()), (position, ours)
+        assert set(ours) == set(theirs), (position, ours, theirs)
+        for token, value in theirs.items():
+            assert ours[token] == pytest.approx(value, abs=1e-3), (position, token)
