@@ -122,3 +122,20 @@ def test_raw_logprobs_of_guided_requests(raw_logprob_pipes):
         assert set(ours) == set(theirs), (position, ours, theirs)
         for token, value in theirs.items():
             assert ours[token] == pytest.approx(value, abs=1e-3), (position, token)
+
+
+NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
+    '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
+
+
+@pytest.mark.parametrize('method', [*METHODS, 'grammar'])
+def test_schema_without_instances_fails_alone(engines, method):
+    """Defect 5: a schema that admits no instance compiled, the grammar rejected the first committed token, and the
+    request went on unconstrained with finish_reason 'stop'. It fails alone at entry now; the grammar is never
+    dropped."""
+    pipe = _spec_pipeline(engines, method)
+    good = response_format('json_schema')
+    outputs = generate(pipe, PROMPTS[:2], [gen_config(NO_INSTANCE), gen_config(good)])
+    assert outputs[0].finish_reason == 'error' and 'admits no instance' in outputs[0].text, outputs[0]
+    assert outputs[1].finish_reason == 'stop'
+    check_valid(outputs[1].text, good)

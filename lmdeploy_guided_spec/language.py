@@ -1,0 +1,217 @@
+"""Whether a grammar accepts any string at all, decided on its rules (no tokenizer, no compilation).
+
+A JSON schema can describe no instance (``{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}``, or an
+object that requires itself). xgrammar converts such schemas without complaint (``defs_a ::= ((defs_a))``); a matcher
+of the grammar then allows no token at all, or only an endless prefix, and decoding either dies on an all-masked
+step or runs into ``max_new_tokens`` with output that can never be valid. Compiling the grammar to find out costs as
+much as the real compile (seconds for large schemas); this module reads the rules xgrammar prints and computes which
+rules derive a finite string (the classic productive-symbols fixpoint), in milliseconds.
+
+The analysis errs on one side only: it says "empty" only when no rule path can end. Constructs it does not
+understand make it answer "not empty".
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ['language_is_empty']
+
+_IDENT = re.compile(r'[A-Za-z_][A-Za-z0-9_.\-]*')
+_REPEAT = re.compile(r'\{\s*(\d+)\s*(?:,\s*(-?\d+)\s*)?\}')
+
+
+class _Unsupported(ValueError):
+    pass
+
+
+# expression nodes: ('lit',), ('ref', name), ('seq', [nodes]), ('alt', [nodes]), ('opt', node) (may be skipped),
+# ('req', node) (at least once)
+def _skip_quoted(text: str, i: int, close: str) -> int:
+    i += 1
+    while i < len(text):
+        if text[i] == '\\':
+            i += 2
+            continue
+        if text[i] == close:
+            return i + 1
+        i += 1
+    raise _Unsupported(f'unterminated {close}')
+
+
+class _Parser:
+
+    def __init__(self, text: str):
+        self.text = text
+        self.i = 0
+
+    def _ws(self) -> None:
+        while self.i < len(self.text) and self.text[self.i].isspace():
+            self.i += 1
+
+    def _peek(self) -> str:
+        self._ws()
+        return self.text[self.i] if self.i < len(self.text) else ''
+
+    def parse(self):
+        node = self.alt()
+        if self._peek():
+            raise _Unsupported(f'unexpected {self.text[self.i:self.i + 10]!r}')
+        return node
+
+    def alt(self):
+        options = [self.seq()]
+        while self._peek() == '|':
+            self.i += 1
+            options.append(self.seq())
+        return options[0] if len(options) == 1 else ('alt', options)
+
+    def seq(self):
+        items = []
+        while self._peek() not in ('', '|', ')'):
+            item = self.postfix()
+            if item is not None:
+                items.append(item)
+        return ('seq', items)
+
+    def postfix(self):
+        node = self.atom()
+        while True:
+            ch = self._peek()
+            if ch in ('*', '?'):
+                self.i += 1
+                node = None if node is None else ('opt', node)
+            elif ch == '+':
+                self.i += 1
+            elif ch == '{':
+                match = _REPEAT.match(self.text, self.i)
+                if match is None:
+                    raise _Unsupported('repetition')
+                self.i = match.end()
+                if node is not None and int(match.group(1)) == 0:
+                    node = ('opt', node)
+            else:
+                return node
+
+    def atom(self):
+        ch = self._peek()
+        if ch == '"':
+            self.i = _skip_quoted(self.text, self.i, '"')
+            return ('lit', )
+        if ch == '[':
+            self.i = _skip_quoted(self.text, self.i, ']')
+            return ('lit', )
+        if ch == '(':
+            lookahead = self.text.startswith('(=', self.i)
+            self.i += 2 if lookahead else 1
+            node = self.alt()
+            if self._peek() != ')':
+                raise _Unsupported('unbalanced parenthesis')
+            self.i += 1
+            # a lookahead consumes nothing: it never makes a rule productive or unproductive here
+            return None if lookahead else node
+        match = _IDENT.match(self.text, self.i)
+        if match is None:
+            raise _Unsupported(f'unexpected {self.text[self.i:self.i + 10]!r}')
+        self.i = match.end()
+        if self.text.startswith('(', self.i):
+            # a built-in terminal with arguments, e.g. Regex("[0-9]+", json_string=true): it matches strings
+            self._skip_call()
+            return ('lit', )
+        return ('ref', match.group(0))
+
+    def _skip_call(self) -> None:
+        depth = 0
+        while self.i < len(self.text):
+            ch = self.text[self.i]
+            if ch == '"':
+                self.i = _skip_quoted(self.text, self.i, '"')
+                continue
+            self.i += 1
+            if ch == '(':
+                depth += 1
+            elif ch == ')':
+                depth -= 1
+                if depth == 0:
+                    return
+        raise _Unsupported('unbalanced call')
+
+
+def _productive(node, productive: set[str]) -> bool:
+    kind = node[0]
+    if kind in ('lit', 'opt'):
+        return True
+    if kind == 'ref':
+        return node[1] in productive
+    if kind == 'seq':
+        return all(_productive(n, productive) for n in node[1])
+    if kind == 'alt':
+        return any(_productive(n, productive) for n in node[1])
+    raise AssertionError(kind)
+
+
+def _refs(node) -> set[str]:
+    kind = node[0]
+    if kind == 'ref':
+        return {node[1]}
+    if kind in ('seq', 'alt'):
+        return set().union(*(_refs(n) for n in node[1])) if node[1] else set()
+    if kind == 'opt':
+        return _refs(node[1])
+    return set()
+
+
+def _rules(text: str) -> dict[str, object]:
+    rules = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, sep, body = line.partition('::=')
+        if not sep or not _IDENT.fullmatch(name.strip()):
+            raise _Unsupported(f'not a rule: {line[:40]!r}')
+        rules[name.strip()] = _Parser(body).parse()
+    return rules
+
+
+def language_is_empty(grammar, root: str = 'root') -> bool:
+    """Whether ``grammar`` derives no finite string from ``root``.
+
+    Parameters
+    ----------
+    grammar : xgrammar.Grammar or str
+        A grammar, or the EBNF text xgrammar prints for one (``str(grammar)``).
+    root : str, default: 'root'
+        The start rule.
+
+    Returns
+    -------
+    bool
+        True only when the start rule cannot derive any finite string; False when it can, and when the text
+        holds something this analysis does not read (it never refuses a grammar it does not understand).
+
+    Pseudocode::
+
+        productive = {}
+        repeat until nothing changes: for each rule r: if body(r) derives a string given `productive`: add r
+        (a worklist: a rule is looked at again when a rule it refers to becomes productive)
+        return root not in productive
+    """
+    try:
+        rules = _rules(str(grammar))
+    except _Unsupported:
+        return False
+    if root not in rules:
+        return False
+    dependents: dict[str, list[str]] = {name: [] for name in rules}
+    for name, body in rules.items():
+        for ref in _refs(body):
+            if ref in dependents:
+                dependents[ref].append(name)
+    productive: set[str] = set()
+    # a rule is looked at again only when a rule it refers to has become productive
+    pending = list(rules)
+    while pending:
+        name = pending.pop()
+        if name not in productive and _productive(rules[name], productive):
+            productive.add(name)
+            pending.extend(dependents[name])
+    return root not in productive
