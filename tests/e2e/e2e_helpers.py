@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 
 import jsonschema
+import pytest
 
 NUM_SPEC_TOKENS = 3
+STARTUP_S = 300
 MAX_NEW_TOKENS = 96
 METHODS = {'eagle3': 'tiny-llama', 'deepseek_mtp': 'tiny-deepseek-mtp'}
 ENGINE_KWARGS = dict(max_batch_size=16, cache_max_entry_count=0.1, session_len=2048)
@@ -187,3 +196,49 @@ PROMPTS = [
     'Describe a person as JSON.', 'Who wrote the first program?', 'Give me a record.', 'List three colours.',
     'A customer, please.', 'Write an order code.', 'What is the weather like?', 'Name a river and its length.',
 ]
+
+
+# -- api_server ----------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(args: list[str], log, max_batch_size: int = 4) -> tuple[subprocess.Popen, int]:
+    """``lmdeploy serve api_server`` for tiny-llama on the CPU path, in a new session, its output in ``log``."""
+    port = free_port()
+    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch', *args,
+           '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', str(max_batch_size),
+           '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
+    with open(log, 'wb') as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, port
+
+
+def start_server(args: list[str], log, max_batch_size: int = 4) -> tuple[subprocess.Popen, str]:
+    """Spawn the api_server and wait until it answers ``/v1/models``."""
+    proc, port = spawn_server(args, log, max_batch_size)
+    base = f'http://127.0.0.1:{port}'
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f'api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}')
+        try:
+            urllib.request.urlopen(f'{base}/v1/models', timeout=2)
+            return proc, base
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_server(proc)
+                pytest.fail(f'api_server not up after {STARTUP_S} s:\n{log.read_text()[-4000:]}')
+            time.sleep(1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    # the server and the engine process it spawned share the new session's process group
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

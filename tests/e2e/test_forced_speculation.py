@@ -8,11 +8,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import openai
 import pytest
@@ -25,6 +21,9 @@ from e2e_helpers import (
     gen_config,
     generate,
     model_agent,
+    spawn_server,
+    start_server,
+    stop_server,
     stream,
 )
 
@@ -125,48 +124,7 @@ def test_fsm_pipeline_keeps_to_the_fsm(cpu_path, engines, fsm_file):
 
 
 # -- api_server ----------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def _spawn(args: list[str], log) -> tuple[subprocess.Popen, int]:
-    """``lmdeploy serve api_server`` for tiny-llama on the CPU path, in a new session, its output in ``log``."""
-    port = _free_port()
-    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch', *args,
-           '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', '4',
-           '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
-    with open(log, 'wb') as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, port
-
-
-def _start(args: list[str], log) -> tuple[subprocess.Popen, str]:
-    proc, port = _spawn(args, log)
-    base = f'http://127.0.0.1:{port}'
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f'api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}')
-        try:
-            urllib.request.urlopen(f'{base}/v1/models', timeout=2)
-            return proc, base
-        except OSError:
-            if time.monotonic() > deadline:
-                _stop(proc)
-                pytest.fail(f'api_server not up after {STARTUP_S} s:\n{log.read_text()[-4000:]}')
-            time.sleep(1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    # the server and the engine process it spawned share the new session's process group
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+_spawn, _start, _stop = spawn_server, start_server, stop_server
 
 
 def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
