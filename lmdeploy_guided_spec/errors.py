@@ -1,6 +1,7 @@
 """Exceptions raised by lmdeploy-guided-spec."""
 
-__all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError']
+__all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarCompileError', 'GrammarCompileTimeout',
+           'GrammarCompilerUnavailable']
 
 
 class GuidedSpecError(Exception):
@@ -13,3 +14,15 @@ class VocabMapError(GuidedSpecError, ValueError):
 
 class FsmError(GuidedSpecError, ValueError):
     """A token FSM file (speculative method ``fsm``) cannot be read or does not describe a usable FSM."""
+
+
+class GrammarCompileError(GuidedSpecError, ValueError):
+    """A grammar source (JSON schema, regex, EBNF) does not compile; the message carries xgrammar's."""
+
+
+class GrammarCompileTimeout(GuidedSpecError, TimeoutError):
+    """Compiling a grammar took longer than the limit; the compile was stopped."""
+
+
+class GrammarCompilerUnavailable(GuidedSpecError, RuntimeError):
+    """The grammar compile service is closed, or its compiler process died while compiling."""

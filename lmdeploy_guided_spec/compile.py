@@ -1,0 +1,467 @@
+"""Grammar compilation that never stalls the engine: a killable compiler process, a timeout and a bounded cache.
+
+xgrammar compiles some schemas for a long time (an enum of 40,000 strings: minutes; thousands of properties or deep
+nesting: tens of seconds), and a compile running in a thread cannot be stopped. :class:`GrammarCompileService`
+hands every compile to a child process (a fresh interpreter, never ``fork``: the engine process holds CUDA and
+threads), waits for it on a background thread and kills the child when it runs past the limit. The caller gets a
+:class:`concurrent.futures.Future` at once and polls ``future.done()`` each engine step, so a request waits for its
+grammar while the others keep decoding.
+
+Moving a compiled grammar between processes costs more than compiling it when the grammar is big:
+``CompiledGrammar.serialize_json`` writes the token-mask cache as JSON (a 1,000-property object compiles in 1.8 s
+into 14 MB but serializes in 69 s to 643 MB, and deserializes in 23 s). So the child sends back only grammars
+whose ``memory_size_bytes`` is at most ``transfer_limit_bytes`` (a small schema: about 0.2 MB of JSON, 10 ms each
+way); for a bigger one it reports success and the parent compiles the same source again in its background thread.
+That second compile is known to finish (the child just did it within the limit) and xgrammar releases the GIL
+while compiling, so the engine loop keeps running. Compiled grammars are kept in an LRU cache bounded by bytes,
+so a repeated schema costs nothing.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import multiprocessing.connection
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import xgrammar as xgr
+
+from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
+
+__all__ = ['GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'KINDS']
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable with the compile time limit in seconds.
+COMPILE_TIMEOUT_ENV = 'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT'
+#: Compile time limit when neither the argument nor the environment variable gives one.
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+#: Grammar kinds and the keyword options each accepts (those of the matching ``GrammarCompiler`` method).
+KINDS = {
+    'json_schema': frozenset({'any_whitespace', 'indent', 'separators', 'strict_mode', 'max_whitespace_cnt',
+                              'any_order'}),
+    'regex': frozenset(),
+    'builtin_json': frozenset(),
+    'ebnf': frozenset({'root_rule_name'}),
+}
+
+# A plain interpreter, not multiprocessing's spawn: spawn re-imports the parent's ``__main__`` in the child, which
+# re-runs a user's script without a main guard; fork would copy CUDA state and held locks.
+_CHILD_CODE = ('import sys; from lmdeploy_guided_spec.compile import _child_main; '
+               '_child_main(int(sys.argv[1]), int(sys.argv[2]))')
+
+# starting a child imports xgrammar and reads the tokenizer info (a few seconds on a loaded machine at most);
+# this is not the compile limit, only a guard against a child that never comes up
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def _timeout_from_env() -> float:
+    raw = os.environ.get(COMPILE_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_COMPILE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f'{COMPILE_TIMEOUT_ENV}={raw!r} is not a number of seconds') from None
+    if not value > 0:
+        raise ValueError(f'{COMPILE_TIMEOUT_ENV}={raw!r} must be a positive number of seconds')
+    return value
+
+
+def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, options: dict) -> xgr.CompiledGrammar:
+    if kind == 'json_schema':
+        return compiler.compile_json_schema(source, **options)
+    if kind == 'regex':
+        return compiler.compile_regex(source)
+    if kind == 'builtin_json':
+        return compiler.compile_builtin_json_grammar()
+    return compiler.compile_grammar(source, **options)
+
+
+def _child_main(fd: int, max_threads: int) -> None:
+    """Body of the compiler process: compile what the parent sends over socket ``fd`` until it closes."""
+    conn = multiprocessing.connection.Connection(fd)
+    try:
+        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    except (EOFError, OSError):
+        return
+    # the parent keeps the cache; a child may be killed any time and its cache would only grow
+    compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+    conn.send(('ready',))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        kind, source, options, transfer_limit = message
+        start = time.perf_counter()
+        try:
+            grammar = _compile(compiler, kind, source, options)
+        except Exception as exc:  # xgrammar raises RuntimeError for every bad source; hand over whatever it is
+            conn.send(('error', f'{type(exc).__name__}: {exc}'.strip()))
+            continue
+        seconds = time.perf_counter() - start
+        size = grammar.memory_size_bytes
+        payload = grammar.serialize_json() if size <= transfer_limit else None
+        conn.send(('ok', payload, seconds, size))
+
+
+@dataclass
+class _Job:
+    key: tuple
+    kind: str
+    source: str | None
+    options: dict
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _Child:
+    """One compiler process and the parent's end of its socket."""
+
+    def __init__(self, tokenizer_info_json: str, max_threads: int):
+        parent_sock, child_sock = socket.socketpair()
+        self._info_json = tokenizer_info_json
+        env = dict(os.environ)
+        # the child imports this package from wherever the parent found it
+        env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads)],
+                pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
+        finally:
+            # only the child holds its end now, so a dead child shows up as EOF here
+            child_sock.close()
+        self.conn = multiprocessing.connection.Connection(parent_sock.detach())
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Hand the child its tokenizer and wait until it can compile."""
+        try:
+            self.conn.send(self._info_json)
+            if self.conn.poll(_STARTUP_TIMEOUT_S):
+                self.conn.recv()
+                self.ready = True
+        except (EOFError, OSError):
+            pass
+        if not self.ready:
+            code = self.kill()
+            raise GrammarCompilerUnavailable(f'the grammar compiler process did not start (exit code {code})')
+
+    def kill(self) -> int | None:
+        """Stop the process now and return its exit code."""
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            code = self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.conn.close()
+        return code
+
+
+class GrammarCompileService:
+    """Compile grammars in a killable child process, with a time limit and a bounded cache.
+
+    Parameters
+    ----------
+    tokenizer_info : xgrammar.TokenizerInfo or str
+        The tokenizer the grammars are for, or its ``serialize_json()`` string.
+    timeout_s : float, optional
+        Longest a single compile may run (in the child, queueing not counted). Defaults to the environment
+        variable ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT`` (seconds), else 30.
+    cache_limit_bytes : int
+        Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
+        grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
+    max_threads : int
+        Threads xgrammar uses for one compile.
+    max_workers : int
+        Compiler processes (compiles that run at the same time). One slow schema then holds one worker until its
+        limit while the others keep compiling.
+    transfer_limit_bytes : int
+        Biggest grammar the child sends back serialized; a bigger one is compiled again in the parent, which is
+        faster than its JSON round trip (see the module docstring).
+
+    Notes
+    -----
+    ``submit`` never blocks on a compile. The returned future fails with :class:`GrammarCompileError` (a
+    ``ValueError``) for a source xgrammar rejects, :class:`GrammarCompileTimeout` when the compile ran past the
+    limit (the child is killed and a fresh one starts with the next compile), and
+    :class:`GrammarCompilerUnavailable` when the child died or the service was closed.
+    """
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo | str, *, timeout_s: float | None = None,
+                 cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
+                 transfer_limit_bytes: int = 1 << 20):
+        if isinstance(tokenizer_info, str):
+            self._info_json = tokenizer_info
+            self._info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
+        else:
+            self._info = tokenizer_info
+            self._info_json = tokenizer_info.serialize_json()
+        self.timeout_s = float(timeout_s) if timeout_s is not None else _timeout_from_env()
+        if not self.timeout_s > 0:
+            raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
+        if cache_limit_bytes < 0:
+            raise ValueError(f'cache_limit_bytes must be >= 0 (a bounded cache), got {cache_limit_bytes}')
+        if max_workers < 1 or max_threads < 1:
+            raise ValueError(f'max_workers and max_threads must be >= 1, got {max_workers} and {max_threads}')
+        self.cache_limit_bytes = cache_limit_bytes
+        self.max_threads = max_threads
+        self.transfer_limit_bytes = transfer_limit_bytes
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._inflight: dict[tuple, concurrent.futures.Future] = {}
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._children: list[_Child | None] = [None] * max_workers
+        self._local: xgr.GrammarCompiler | None = None
+        self._closed = False
+        self._threads = [threading.Thread(target=self._serve, args=(slot,), name=f'guided-spec-compile-{slot}',
+                                          daemon=True) for slot in range(max_workers)]
+        for thread in self._threads:
+            thread.start()
+
+    # -- public API --------------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        """The tokenizer info compiled grammars belong to."""
+        return self._info
+
+    @property
+    def cache_size_bytes(self) -> int:
+        """Bytes of compiled grammars held in the cache."""
+        with self._lock:
+            return self._cache_bytes
+
+    @property
+    def cache_entries(self) -> int:
+        """Number of compiled grammars held in the cache."""
+        with self._lock:
+            return len(self._cache)
+
+    def submit(self, kind: str, source: str | dict | None = None, **options: Any) -> concurrent.futures.Future:
+        """Start compiling a grammar and return a future of its ``xgrammar.CompiledGrammar`` at once.
+
+        Parameters
+        ----------
+        kind : {'json_schema', 'regex', 'builtin_json', 'ebnf'}
+            What ``source`` is. ``builtin_json`` (any JSON value) takes no source.
+        source : str or dict, optional
+            The JSON schema (text or parsed), regex or EBNF grammar.
+        **options
+            Keywords of the matching ``GrammarCompiler`` method: for ``json_schema`` ``any_whitespace``,
+            ``indent``, ``separators``, ``strict_mode``, ``max_whitespace_cnt``, ``any_order``; for ``ebnf``
+            ``root_rule_name``.
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Done at once for a cached grammar; the same future for a compile of the same grammar in flight.
+
+        Raises
+        ------
+        ValueError
+            Unknown ``kind``, or a missing source.
+        TypeError
+            An option the kind does not take.
+        GrammarCompilerUnavailable
+            The service is closed.
+        """
+        kind, source, options = self._normalize(kind, source, options)
+        key = (kind, source, json.dumps(options, sort_keys=True))
+        with self._lock:
+            if self._closed:
+                raise GrammarCompilerUnavailable('the grammar compile service is closed')
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                future = concurrent.futures.Future()
+                future.set_result(cached[0])
+                return future
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                return inflight
+            job = _Job(key, kind, source, options)
+            self._inflight[key] = job.future
+        self._jobs.put(job)
+        return job.future
+
+    def compile(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar:
+        """Blocking :meth:`submit`: wait for the grammar (for tools and tests, never for an engine loop)."""
+        return self.submit(kind, source, **options).result()
+
+    def close(self) -> None:
+        """Kill the compiler processes and fail every compile not finished yet; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            children = list(self._children)
+        for _ in self._threads:
+            self._jobs.put(None)
+        for child in children:
+            # a kill unblocks the thread waiting on this child's socket (or for it to start)
+            if child is not None and child.process.poll() is None:
+                child.process.kill()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        for slot, child in enumerate(self._children):
+            if child is not None:
+                child.kill()
+                self._children[slot] = None
+        # a job queued behind the sentinels never reached a thread
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
+
+    def __enter__(self) -> GrammarCompileService:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may be gone already
+            pass
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _normalize(kind: str, source, options: dict) -> tuple[str, str | None, dict]:
+        allowed = KINDS.get(kind)
+        if allowed is None:
+            raise ValueError(f'unknown grammar kind {kind!r}; expected one of {sorted(KINDS)}')
+        unknown = set(options) - allowed
+        if unknown:
+            raise TypeError(f'grammar kind {kind!r} takes no option(s) {sorted(unknown)}; it takes {sorted(allowed)}')
+        if kind == 'builtin_json':
+            return kind, None, {}
+        if isinstance(source, (dict, list, bool)) and kind == 'json_schema':
+            source = json.dumps(source)
+        if not isinstance(source, str):
+            raise ValueError(f'a {kind} grammar needs its source as a string, got {type(source).__name__}')
+        if 'separators' in options and options['separators'] is not None:
+            # the key is JSON; a tuple and a list of the same separators are the same grammar
+            options = {**options, 'separators': tuple(options['separators'])}
+        return kind, source, options
+
+    def _serve(self, slot: int) -> None:
+        while True:
+            if self._children[slot] is None and not self._closed:
+                # start the next child before a job asks for it: a fresh interpreter takes seconds to import
+                # xgrammar (and torch with it), which would otherwise add to the first compile after a kill
+                try:
+                    self._child(slot)
+                except GrammarCompilerUnavailable as exc:
+                    logger.warning('%s; trying again with the next compile', exc)
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._closed:
+                self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
+                continue
+            if not job.future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._inflight.pop(job.key, None)
+                continue
+            try:
+                grammar = self._run(slot, job)
+            except BaseException as exc:  # every failure belongs to this job's future, the thread serves on
+                self._finish(job, error=exc)
+            else:
+                self._finish(job, grammar=grammar)
+
+    def _child(self, slot: int) -> _Child:
+        child = self._children[slot]
+        if child is None:
+            with self._lock:
+                if self._closed:
+                    raise GrammarCompilerUnavailable('the grammar compile service was closed')
+                # registered before it is ready, so that close() can kill a child that is still starting
+                child = self._children[slot] = _Child(self._info_json, self.max_threads)
+            try:
+                child.wait_ready()
+            except GrammarCompilerUnavailable:
+                self._children[slot] = None
+                raise
+        return child
+
+    def _drop_child(self, slot: int) -> int | None:
+        child, self._children[slot] = self._children[slot], None
+        return child.kill() if child is not None else None
+
+    def _describe(self, job: _Job) -> str:
+        return 'builtin JSON grammar' if job.source is None else f'{job.kind} grammar ({len(job.source):,} bytes)'
+
+    def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar:
+        child = self._child(slot)
+        try:
+            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes))
+            answered = child.conn.poll(self.timeout_s)
+            reply = child.conn.recv() if answered else None
+        except (EOFError, OSError):
+            code = self._drop_child(slot)
+            if self._closed:
+                raise GrammarCompilerUnavailable('the grammar compile service was closed') from None
+            raise GrammarCompilerUnavailable(
+                f'the grammar compiler process died (exit code {code}) while compiling a {self._describe(job)}; '
+                f'a fresh one starts with the next compile') from None
+        if reply is None:
+            self._drop_child(slot)
+            raise GrammarCompileTimeout(
+                f'compiling a {self._describe(job)} took longer than {self.timeout_s:g} s and was stopped; raise '
+                f'the limit with the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+        if reply[0] == 'error':
+            raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}')
+        _, payload, seconds, size = reply
+        if payload is not None:
+            return xgr.CompiledGrammar.deserialize_json(payload, self._info)
+        logger.debug('compiling a %s again in-process: %d bytes compiled in %.2f s are cheaper to compile than '
+                     'to transfer', self._describe(job), size, seconds)
+        if self._local is None:
+            self._local = xgr.GrammarCompiler(self._info, max_threads=self.max_threads, cache_enabled=False)
+        return _compile(self._local, job.kind, job.source, job.options)
+
+    def _finish(self, job: _Job, *, grammar: xgr.CompiledGrammar | None = None,
+                error: BaseException | None = None) -> None:
+        with self._lock:
+            self._inflight.pop(job.key, None)
+            if grammar is not None:
+                self._remember(job.key, grammar)
+        if job.future.done():
+            return
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            return  # the caller cancelled it before it ran
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(grammar)
+
+    def _remember(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
+        size = grammar.memory_size_bytes
+        if size > self.cache_limit_bytes:
+            return
+        self._cache[key] = (grammar, size)
+        self._cache_bytes += size
+        while self._cache_bytes > self.cache_limit_bytes:
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted

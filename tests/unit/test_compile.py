@@ -1,0 +1,188 @@
+"""GrammarCompileService: compiles in a killable child process, with a time limit and a bounded cache, and the
+caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgrammar."""
+import json
+import time
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from lmdeploy_guided_spec import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout, GuidedSpecError
+from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV, GrammarCompileService
+from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
+
+pytestmark = pytest.mark.unit
+
+VOCAB = TOKENIZERS['llama3'].model_vocab_size
+TIMEOUT_S = 2.0
+
+PERSON = {'type': 'object', 'properties': {'name': {'type': 'string'}, 'age': {'type': 'integer'},
+                                           'tags': {'type': 'array', 'items': {'enum': ['a', 'b']}}},
+          'required': ['name', 'age']}
+NESTED = {'type': 'object', 'properties': {'inner': {'type': 'object', 'properties': {'x': {'type': 'number'}},
+                                                     'required': ['x']}}, 'required': ['inner']}
+CASES = [
+    # (kind, source, options, a text the grammar accepts)
+    ('json_schema', PERSON, {}, '{"name": "Ann", "age": 3, "tags": ["a"]}'),
+    ('json_schema', json.dumps(NESTED), dict(any_whitespace=False), '{"inner": {"x": 1.5}}'),
+    ('json_schema', PERSON, dict(any_whitespace=False, separators=(',', ':')), '{"name":"B","age":7}'),
+    ('regex', r'(yes|no) [0-9]{2,4}', {}, 'yes 2024'),
+    ('ebnf', 'root ::= "a" b\nb ::= "b"+', {}, 'abbb'),
+    ('builtin_json', None, {}, '[1, {"k": null}]'),
+]
+
+
+def _reference(kind, source, options):
+    compiler = grammar_compiler('llama3')
+    if kind == 'json_schema':
+        return compiler.compile_json_schema(source if isinstance(source, str) else json.dumps(source), **options)
+    if kind == 'regex':
+        return compiler.compile_regex(source)
+    if kind == 'ebnf':
+        return compiler.compile_grammar(source)
+    return compiler.compile_builtin_json_grammar()
+
+
+def _masks(grammar: xgr.CompiledGrammar, text: str) -> list[torch.Tensor]:
+    """The allowed-token mask before each token of ``text`` and after the last one."""
+    matcher = xgr.GrammarMatcher(grammar)
+    masks = []
+    for token in load_tokenizer('llama3').encode(text, add_special_tokens=False):
+        masks.append(allowed_tokens(matcher, VOCAB))
+        assert matcher.accept_token(token)
+    masks.append(allowed_tokens(matcher, VOCAB))
+    return masks
+
+
+def _same_masks(a, b, text):
+    got, want = _masks(a, text), _masks(b, text)
+    return len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.fixture(scope='module')
+def service():
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=TIMEOUT_S, max_workers=1) as svc:
+        yield svc
+
+
+def _slow_schema(n: int = 20_000) -> dict:
+    # an enum of this many strings takes minutes to compile (40,000 took 463 s)
+    return {'type': 'string', 'enum': [f'value_{i}_{i * 7919 % 100_003}' for i in range(n)]}
+
+
+@pytest.mark.parametrize('kind,source,options,text', CASES, ids=[c[0] + str(i) for i, c in enumerate(CASES)])
+def test_compiled_grammar_masks_equal_an_in_process_compile(service, kind, source, options, text):
+    grammar = service.submit(kind, source, **options).result(timeout=60)
+    assert _same_masks(grammar, _reference(kind, source, options), text)
+
+
+def test_a_grammar_too_big_to_transfer_is_compiled_again_in_the_parent(service, monkeypatch):
+    monkeypatch.setattr(service, 'transfer_limit_bytes', 0)
+    schema = {**PERSON, 'title': 'recompiled'}  # not cached by the other tests
+    grammar = service.submit('json_schema', schema).result(timeout=60)
+    assert _same_masks(grammar, _reference('json_schema', schema, {}), '{"name": "x", "age": 1}')
+
+
+@pytest.mark.parametrize('kind,source,message', [
+    ('json_schema', {'type': 'nope'}, 'Unsupported type'),
+    ('json_schema', '{bad json', 'Failed to parse JSON'),
+    ('regex', 'a(', 'parenthesis is not closed'),
+    ('ebnf', 'root ::= undefined_rule', 'undefined_rule'),
+])
+def test_an_invalid_source_fails_its_future_with_xgrammars_message(service, kind, source, message):
+    future = service.submit(kind, source)
+    with pytest.raises(GrammarCompileError, match=message) as info:
+        future.result(timeout=60)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, GuidedSpecError)
+    assert service.submit('regex', 'ok[0-9]').result(timeout=60) is not None
+
+
+def test_bad_arguments_fail_at_submit(service):
+    with pytest.raises(ValueError, match='unknown grammar kind'):
+        service.submit('xml', '<a/>')
+    with pytest.raises(TypeError, match='no option'):
+        service.submit('regex', 'a+', any_whitespace=False)
+    with pytest.raises(ValueError, match='source'):
+        service.submit('regex', None)
+
+
+def test_a_slow_compile_times_out_while_the_caller_keeps_running(service):
+    service.compile('regex', 'warm-up')  # the child is up, so the limit is all the compile gets
+    schema = _slow_schema()
+    start = time.perf_counter()
+    future = service.submit('json_schema', schema)
+    assert time.perf_counter() - start < 0.05
+    # the engine loop: one step every 10 ms, never waiting for the compile
+    steps, longest, last = 0, 0.0, time.perf_counter()
+    while not future.done():
+        time.sleep(0.01)
+        now = time.perf_counter()
+        steps, longest, last = steps + 1, max(longest, now - last), now
+        assert now - start < TIMEOUT_S + 5, 'the compile was not stopped'
+    elapsed = time.perf_counter() - start
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 2
+    assert steps > 50 and longest < 0.5
+    with pytest.raises(GrammarCompileTimeout) as info:
+        future.result()
+    message = str(info.value)
+    assert isinstance(info.value, GuidedSpecError)
+    assert f'{TIMEOUT_S:g} s' in message and COMPILE_TIMEOUT_ENV in message
+    assert f'{len(json.dumps(schema)):,} bytes' in message
+    # a fresh child takes over
+    grammar = service.submit('json_schema', NESTED).result(timeout=60)
+    assert _same_masks(grammar, _reference('json_schema', NESTED, {}), '{"inner": {"x": 2}}')
+
+
+def test_a_crashed_child_fails_its_compile_and_is_replaced(service):
+    service.compile('regex', 'warm-up')
+    future = service.submit('json_schema', _slow_schema(20_001))
+    time.sleep(0.2)
+    service._children[0].process.kill()
+    with pytest.raises(GrammarCompilerUnavailable, match='died'):
+        future.result(timeout=30)
+    assert service.submit('regex', 'after-crash[0-9]').result(timeout=60) is not None
+
+
+def test_repeats_and_duplicates_cost_nothing(service):
+    first = service.submit('regex', 'dup[a-c]{3}')
+    assert service.submit('regex', 'dup[a-c]{3}') is first  # in flight: the same future
+    grammar = first.result(timeout=60)
+    start = time.perf_counter()
+    again = service.submit('regex', 'dup[a-c]{3}')
+    assert again.done() and again.result() is grammar and time.perf_counter() - start < 0.01
+    # a dict schema and its JSON text, a tuple and a list of separators: the same grammar
+    one = service.compile('json_schema', PERSON, separators=(',', ': '))
+    assert service.compile('json_schema', json.dumps(PERSON), separators=[',', ': ']) is one
+
+
+def test_the_cache_is_bounded_by_bytes(service, monkeypatch):
+    size = service.compile('regex', 'size-probe').memory_size_bytes
+    monkeypatch.setattr(service, 'cache_limit_bytes', 3 * size + size // 2)
+    for i in range(6):
+        service.compile('regex', f'bounded-{i}')
+        assert service.cache_size_bytes <= service.cache_limit_bytes
+    assert service.cache_entries <= 3
+    # the most recent grammar stays, the oldest went
+    assert service.submit('regex', 'bounded-5').done()
+    assert not service.submit('regex', 'bounded-0').done() or service.cache_entries <= 3
+
+
+def test_close_fails_pending_compiles_and_refuses_new_ones(monkeypatch):
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '7.5')
+    svc = GrammarCompileService(tokenizer_info('llama3').serialize_json())
+    assert svc.timeout_s == 7.5
+    pending = svc.submit('regex', 'pending')  # the children are still starting
+    start = time.perf_counter()
+    svc.close()
+    assert time.perf_counter() - start < 10
+    with pytest.raises(GrammarCompilerUnavailable):
+        pending.result(timeout=10)
+    with pytest.raises(GrammarCompilerUnavailable, match='closed'):
+        svc.submit('regex', 'later')
+    svc.close()
+
+
+def test_a_bad_timeout_variable_is_named(monkeypatch):
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, 'soon')
+    with pytest.raises(ValueError, match=COMPILE_TIMEOUT_ENV):
+        GrammarCompileService(tokenizer_info('llama3'))
