@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from .ordering import to_device
+
 __all__ = [
     'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'ALL_ALLOWED'
 ]
@@ -96,7 +98,8 @@ def apply_bitmask_(logits: torch.Tensor,
         ``(num_rows, vocab)`` logits on any device, any floating dtype. Columns beyond what the bitmask covers
         (padding of the model's vocabulary) are disallowed as well.
     bitmask : torch.Tensor
-        ``(num_rows, words)`` int32 bitmask, on any device; it is copied to the logits' device without blocking.
+        ``(num_rows, words)`` int32 bitmask, on any device; it is copied to the logits' device without blocking
+        the host when it is page-locked.
     rows : sequence of int or LongTensor, optional
         Only these rows of ``logits`` (and of ``bitmask``) are masked; the default masks every row, and then both
         must have the same number of rows.
@@ -118,7 +121,8 @@ def apply_bitmask_(logits: torch.Tensor,
     vocab = logits.shape[1]
     covered = min(vocab, bitmask.shape[1] * 32)
     if device.type == 'cuda' and covered == vocab and logits.is_contiguous():
-        indices = None if rows is None else [int(r) for r in rows]
+        # xgrammar would copy a list of indices from pageable memory, which waits for the copy
+        indices = None if rows is None else to_device([int(r) for r in rows], torch.int32, device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
         return logits
     # On the CPU, unpacking with torch and masked_fill_ is faster than xgrammar's CPU kernel for sparse masks;
