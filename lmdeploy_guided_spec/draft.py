@@ -25,7 +25,9 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .forced import ForcedTokenizer, forced_token
+from .ordering import Ready, host_lists, record_ready, to_device
 from .sparse import SparseMaskBuilder, SparseRows
+from .step import has_ended, stop_tokens
 from .vocab_map import DraftVocabMap
 from .worker import GrammarWorker
 
@@ -56,12 +58,16 @@ def _disallowed_token(mask_row: torch.Tensor, vocab_size: int) -> int | None:
 
 
 def _override(token_ids, forced: dict[int, int]) -> None:
-    """Write forced tokens into the chosen draft ids in place (tensor ``(rows,)`` / ``(rows, 1)`` or a list)."""
+    """Write forced tokens into the chosen draft ids in place (tensor ``(rows,)`` / ``(rows, 1)`` or a list).
+
+    On a device the rows and tokens are copied from page-locked memory without blocking the host; the write is
+    queued on the current stream after the kernel that chose the ids.
+    """
     if isinstance(token_ids, torch.Tensor):
         column = token_ids if token_ids.dim() == 1 else token_ids[:, 0]
         rows = [row for row in forced if row < column.shape[0]]
-        index = torch.tensor(rows, dtype=torch.long, device=column.device)
-        column[index] = torch.tensor([forced[row] for row in rows], dtype=column.dtype, device=column.device)
+        index = to_device(rows, torch.long, column.device)
+        column[index] = to_device([forced[row] for row in rows], column.dtype, column.device)
         return
     for row, token in forced.items():
         token_ids[row] = [token] if isinstance(token_ids[row], list) else token
@@ -127,7 +133,8 @@ class DraftGrammar:
         self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
                                       pin_memory=pin_memory).view(batch_size, num_spec_tokens + 1, -1)
         self.forks: dict[int, xgr.GrammarMatcher] = {}
-        # Rows whose fork rejected a draft token: later positions are never accepted, so they stay all-allowed.
+        # Rows whose fork rejected a draft token, drafted a stop token or has ended: later positions are never
+        # accepted, so they stay all-allowed.
         self.dead: set[int] = set()
         self.drafts: dict[int, list[int]] = {row: [] for row in self.rows}
         self.position = 0
@@ -140,6 +147,8 @@ class DraftGrammar:
     # -- worker side ----------------------------------------------------------------------------------------
     def _start(self, matchers: dict) -> None:
         self.forks = {row: matchers[row].fork() for row in self.rows}
+        # a committed matcher that accepted a stop token gives no mask: its request ends
+        self.dead.update(row for row, fork in self.forks.items() if has_ended(fork))
         self._fill(0)
 
     def _fill(self, position: int) -> None:
@@ -168,14 +177,16 @@ class DraftGrammar:
                     found[row] = token
             self._forced.append(found)
 
-    def _advance(self, token_ids, position: int) -> None:
-        rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    def _advance(self, token_ids, position: int, ready: Ready | None = None) -> None:
+        rows = host_lists(token_ids, ready)
         for row in self.rows:
             if row in self.dead:
                 continue
             token = int(_first(rows[row]))
             self.drafts[row].append(token)
-            if not self.forks[row].accept_token(token):
+            fork = self.forks[row]
+            # the request ends at a drafted stop token, whether the fork accepts it (and ends) or not
+            if token in stop_tokens(fork) or not fork.accept_token(token):
                 self.dead.add(row)
         self._fill(position + 1)
 
@@ -201,25 +212,40 @@ class DraftGrammar:
             if self.sparse is not None and logits.shape[-1] == self.vocab_size:
                 return self._draft_sparse[self.position].apply_(logits)
             return apply_bitmask_(logits, masks, rows=live)
-        index = torch.as_tensor(live, dtype=torch.long, device=logits.device)
+        index = to_device(live, torch.long, logits.device)
         sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), masks[live])
         logits.index_copy_(0, index, sub)
         return logits
 
-    def advance(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+    def advance(self, token_ids: torch.Tensor | Sequence[int], *, ready: Ready | None = None) -> None:
         """Advance the forks by the chosen draft tokens (target ids) and fill the next position, on the worker.
 
-        Returns at once; the device-to-host read of ``token_ids`` happens on the worker. With ``forced``, the
-        tokens the grammar forces at this position first replace the chosen ones in ``token_ids``, in place (even a
-        token the draft vocabulary lacks).
+        Returns at once; the device-to-host read of ``token_ids`` happens on the worker, after ``ready``. With
+        ``forced``, the tokens the grammar forces at this position first replace the chosen ones in ``token_ids``,
+        in place (even a token the draft vocabulary lacks).
+
+        Parameters
+        ----------
+        token_ids : LongTensor ``(rows,)`` / ``(rows, 1)``, or a sequence
+            The chosen draft tokens in the target vocabulary.
+        ready : object with ``synchronize()``, optional
+            A ``torch.cuda.Event`` recorded after the kernel that wrote ``token_ids``
+            (:func:`lmdeploy_guided_spec.ordering.record_ready`); the worker waits for it before reading them.
+            Default: an event recorded here, on the calling thread's current stream (right when the kernel ran
+            on that stream).
         """
         position = self.position
         if self.forced:
             self.wait()
             if position < len(self._forced) and self._forced[position]:
                 _override(token_ids, self._forced[position])
+                # the override is queued on the current stream, after the kernel that chose the ids: the worker
+                # reads after the override
+                ready = record_ready(token_ids) or ready
+        if ready is None:
+            ready = record_ready(token_ids)
         self.position += 1
-        self._pending = self.worker.submit(self._advance, token_ids, position)
+        self._pending = self.worker.submit(self._advance, token_ids, position, ready)
 
     def forced_tokens(self, position: int) -> dict[int, int]:
         """``{row: token}`` the grammar forces at a filled draft position (waits; needs ``forced``)."""

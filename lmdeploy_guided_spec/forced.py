@@ -30,6 +30,7 @@ import torch
 import xgrammar as xgr
 
 from .bitmask import allocate_bitmask
+from .step import has_ended
 
 __all__ = ['ForcedTokenizer', 'single_allowed_token', 'token_allowed', 'forced_token', 'forced_drafts']
 
@@ -348,15 +349,19 @@ def forced_drafts(matcher, max_tokens: int, vocab_size: int, tokenizer: ForcedTo
     """
     fork = matcher.fork()
     stop = set(getattr(fork, 'stop_token_ids', None) or ())
-    mask = allocate_bitmask(1, vocab_size)
     drafts: list[int] = []
+    if has_ended(fork):
+        # a stop token was accepted: nothing follows, and xgrammar gives no mask
+        return drafts
+    mask = allocate_bitmask(1, vocab_size)
     while len(drafts) < max_tokens:
         fork.fill_next_token_bitmask(mask, 0)
         token = forced_token(fork, mask[0], vocab_size, tokenizer)
         if token is None:
             break
         drafts.append(token)
-        # a matcher that terminates without a stop token (lmdeploy's) rejects the EOS it then allows: nothing follows
+        # a matcher built with terminate_without_stop_token (lmdeploy 0.14's) rejects the EOS it then allows, a plain
+        # one (0.15+) accepts it and ends: nothing follows either way
         if token in stop or not fork.accept_token(token):
             break
     return drafts

@@ -12,6 +12,14 @@ goes on launching device work; it waits only where a mask is needed. One specula
   copy and one masking kernel;
 * commit: queued behind verification, overlapping the next window's first draft forward.
 
+Token ids that live on a device (drafts, accepted tokens, first tokens) are read on the worker thread, whose
+current stream is not the engine's: every call that takes them also takes ``ready``, an event recorded after the
+kernel that wrote them (:func:`lmdeploy_guided_spec.ordering.record_ready`), and the worker waits for it before
+reading. Without ``ready`` the call records one itself on the calling thread's current stream.
+
+A committed token the grammar rejects fails its request: :meth:`SpecGrammarManager.pop_failures` hands the engine
+``{session id: message}`` to finish those requests with an error.
+
 Tokens the grammar forces (:mod:`lmdeploy_guided_spec.forced`) replace the draft model's choices inside drafting
 windows, and are the whole draft where there is no draft model (:meth:`SpecGrammarManager.propose`, methods
 ``grammar`` and ``fsm``).
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -28,6 +37,7 @@ import xgrammar as xgr
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
 from .forced import ForcedTokenizer
+from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import commit, fill_bitmask, verification_bitmask
 from .vocab_map import DraftVocabMap
@@ -45,10 +55,6 @@ def _log_failure(future: concurrent.futures.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
         logger.error('grammar commit failed; guided requests may drift from their grammar. Please file an issue.',
                      exc_info=future.exception())
-
-
-def _as_lists(token_ids) -> list:
-    return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else [list(r) for r in token_ids]
 
 
 class SpecGrammarManager:
@@ -103,6 +109,9 @@ class SpecGrammarManager:
             self.worker.submit(self.forced_tokenizer.prepare)
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
+        # session id -> message: requests whose grammar rejected a committed token (written by the worker)
+        self._failures: dict = {}
+        self._failures_lock = threading.Lock()
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         """Run grammar work on the worker, after everything submitted before."""
@@ -113,11 +122,12 @@ class SpecGrammarManager:
         """Bitmask ``(batch_size, words)`` of the committed states, or None without guided rows (waits)."""
         if not matchers:
             return None
-        return self.worker.run(fill_bitmask, matchers, batch_size, self.vocab_size)
+        return self.worker.run(fill_bitmask, matchers, batch_size, self.vocab_size, pin_memory=self.pin_memory)
 
     # -- verification -----------------------------------------------------------------------------------------
     def verification_bitmask(self, matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
-                             session_ids: Sequence[int] | None = None) -> torch.Tensor | SparseRows | None:
+                             session_ids: Sequence[int] | None = None, *,
+                             ready: Ready | None = None) -> torch.Tensor | SparseRows | None:
         """Verification masks for :meth:`apply_`, or None without guided rows (waits).
 
         A bitmask ``(batch * (k + 1), words)``, or the window's :class:`SparseRows` with ``sparse_masks``.
@@ -126,15 +136,16 @@ class SpecGrammarManager:
         and positions after a rejected draft allow every token. Rows of requests whose drafting window this
         manager masked (found by ``session_ids``, with the same draft tokens) are that window's masks; the
         others are filled from forks of the committed matchers (:func:`step.verification_bitmask`). Both give
-        identical bits.
+        identical bits. The worker reads ``draft_token_ids`` after ``ready`` (see the module docstring).
         """
         if not matchers:
             return None
         return self.worker.run(self._verification_bitmask, dict(matchers), draft_token_ids,
-                               list(session_ids) if session_ids is not None else None)
+                               list(session_ids) if session_ids is not None else None,
+                               ready if ready is not None else record_ready(draft_token_ids))
 
-    def _verification_bitmask(self, matchers: dict, draft_token_ids, session_ids) -> torch.Tensor:
-        drafts = _as_lists(draft_token_ids)
+    def _verification_bitmask(self, matchers: dict, draft_token_ids, session_ids, ready) -> torch.Tensor:
+        drafts = host_lists(draft_token_ids, ready)
         batch, width = len(drafts), len(drafts[0]) + 1
         found: dict[int, tuple[DraftGrammar, int]] = {}
         for row in matchers:
@@ -152,7 +163,7 @@ class SpecGrammarManager:
                 return window.verification_masks()
         missing = {row: m for row, m in matchers.items() if row not in found}
         if missing:
-            bitmask = verification_bitmask(missing, drafts, self.vocab_size)
+            bitmask = verification_bitmask(missing, drafts, self.vocab_size, pin_memory=self.pin_memory)
         else:
             bitmask = allocate_bitmask(batch * width, self.vocab_size, pin_memory=self.pin_memory)
         view = bitmask.view(batch, width, -1)
@@ -176,19 +187,75 @@ class SpecGrammarManager:
         return apply_bitmask_(logits, bitmask, rows=rows)
 
     # -- commit -----------------------------------------------------------------------------------------------
-    def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, int]:
-        """Advance committed matchers by the accepted tokens (``-1`` ends a row) and wait; see :func:`step.commit`."""
+    def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
+               session_ids: Sequence[int] | Mapping[int, int] | None = None,
+               ready: Ready | None = None) -> dict[int, int]:
+        """Advance committed matchers by the accepted tokens (``-1`` ends a row) and wait; see :meth:`commit_async`.
+
+        Returns the number of tokens each row's matcher accepted.
+        """
         if not matchers:
             return {}
-        return self.worker.run(commit, dict(matchers), token_ids)
+        return self.worker.run(self._commit, dict(matchers), token_ids, session_ids,
+                               ready if ready is not None else record_ready(token_ids))
 
-    def commit_async(self, matchers: Matchers, token_ids: torch.Tensor | Sequence) -> concurrent.futures.Future | None:
-        """Queue the commit; the device-to-host read of ``token_ids`` happens on the worker. None without rows."""
+    def commit_async(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
+                     session_ids: Sequence[int] | Mapping[int, int] | None = None,
+                     ready: Ready | None = None) -> concurrent.futures.Future | None:
+        """Queue the commit of the accepted tokens; None without guided rows.
+
+        Parameters
+        ----------
+        matchers : mapping of batch row to GrammarMatcher
+            Committed matchers; advanced in place on the worker (:func:`step.commit`).
+        token_ids : LongTensor or sequence, ``(batch_size,)`` or ``(batch_size, n)``
+            Accepted tokens per row in order; ``-1`` ends a row. Read on the worker, after ``ready``.
+        session_ids : sequence or mapping, optional
+            Session id of every batch row (``session_ids[row]``): the keys of :meth:`pop_failures`. Default: the
+            batch row.
+        ready : object with ``synchronize()``, optional
+            A ``torch.cuda.Event`` recorded after the kernel that wrote ``token_ids``; default: one recorded here on
+            the current stream.
+
+        Returns
+        -------
+        concurrent.futures.Future or None
+            Resolves to ``{row: number of tokens accepted}``. A token a grammar rejects does not fail the future: it
+            fails its session (:meth:`pop_failures`).
+        """
         if not matchers:
             return None
-        future = self.worker.submit(commit, dict(matchers), token_ids)
+        ready = ready if ready is not None else record_ready(token_ids)
+        future = self.worker.submit(self._commit, dict(matchers), token_ids, session_ids, ready)
         future.add_done_callback(_log_failure)
         return future
+
+    def _commit(self, matchers: dict, token_ids, session_ids, ready) -> dict[int, int]:
+        failures: dict = {}
+        accepted = commit(matchers, token_ids, session_ids=session_ids, failures=failures, vocab_size=self.vocab_size,
+                          ready=ready)
+        if failures:
+            for key, message in failures.items():
+                logger.error(f'guided request {key} fails: {message}')
+            with self._failures_lock:
+                for key, message in failures.items():
+                    self._failures.setdefault(key, message)
+        return accepted
+
+    def failures(self) -> dict:
+        """``{session id: message}`` of the requests whose grammar rejected a committed token (kept until popped).
+
+        The key is the batch row where a commit had no ``session_ids``. Commits still queued are not included:
+        wait for their futures first.
+        """
+        with self._failures_lock:
+            return dict(self._failures)
+
+    def pop_failures(self) -> dict:
+        """:meth:`failures`, cleared: the engine finishes these requests with an error (GrammarRejectedError)."""
+        with self._failures_lock:
+            failures, self._failures = self._failures, {}
+        return failures
 
     # -- drafting ---------------------------------------------------------------------------------------------
     def vocab_map(self, draft_id_to_target_id: torch.Tensor | None) -> DraftVocabMap | None:
@@ -241,9 +308,11 @@ class SpecGrammarManager:
         return window.propose(filler)
 
     def forget(self, session_ids: Sequence[int]) -> None:
-        """Drop kept windows of finished sessions."""
-        for session_id in session_ids:
-            self._windows.pop(session_id, None)
+        """Drop kept windows and failures of finished sessions."""
+        with self._failures_lock:
+            for session_id in session_ids:
+                self._windows.pop(session_id, None)
+                self._failures.pop(session_id, None)
 
     @property
     def num_kept_windows(self) -> int:

@@ -5,46 +5,101 @@ Invariants
 * The committed matcher of a request is advanced only by :func:`commit`, with tokens the target accepted.
 * Drafting and verification work on forks; they never change the committed matcher.
 * Verification mask ``i`` of a request is the bitmask of its grammar state after draft tokens ``0..i-1``.
-  Once a draft token is rejected by the grammar, later positions are unreachable: their rows allow every
-  token (they are never sampled from, and all-``-inf`` rows would only produce NaNs).
+  Once a draft token is rejected by the grammar, or a stop token accepted, later positions are unreachable: their
+  rows allow every token (they are never sampled from, and all-``-inf`` rows would only produce NaNs).
+* A committed token the grammar rejects is a failure of its request, never a silent fallback (:func:`commit`).
+
+Two kinds of matchers meet the core. lmdeploy 0.14 builds them with ``terminate_without_stop_token=True``: they
+report termination wherever the grammar may end, never accept a stop token and always give a mask. lmdeploy 0.15+
+builds plain ones: they accept a stop token and have then *ended* (:func:`has_ended`); xgrammar refuses to give
+an ended matcher's mask or jump-forward string.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask
+from .bitmask import allocate_bitmask, unpack_bitmask
+from .errors import GrammarRejectedError
+from .ordering import Ready, host_lists
 
-__all__ = ['fill_bitmask', 'verification_bitmask', 'commit']
-
-logger = logging.getLogger('lmdeploy_guided_spec')
+__all__ = ['fill_bitmask', 'verification_bitmask', 'commit', 'has_ended', 'stop_tokens', 'grammar_is_empty']
 
 Matchers = Mapping[int, xgr.GrammarMatcher]
 
 
-def _as_rows(token_ids: torch.Tensor | Sequence) -> list:
-    """Token ids as nested Python lists (one device-to-host sync for a tensor)."""
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.tolist()
-    return [list(r) if isinstance(r, (list, tuple)) else r for r in token_ids]
+def stop_tokens(matcher) -> frozenset[int]:
+    """The stop tokens (EOS) of a matcher."""
+    return frozenset(getattr(matcher, 'stop_token_ids', None) or ())
 
 
-def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int) -> torch.Tensor:
-    """Bitmask ``(batch_size, words)`` of the committed states; rows without a matcher allow everything.
+def has_ended(matcher) -> bool:
+    """Whether ``matcher`` accepted a stop token: it allows nothing more, and xgrammar refuses its mask.
 
-    Does not change any matcher.
+    A matcher built with ``terminate_without_stop_token=True`` never ends: it reports termination wherever the
+    grammar may end, yet still gives masks there (the grammar may go on, or EOS is the one token allowed).
     """
-    bitmask = allocate_bitmask(batch_size, vocab_size)
+    if not matcher.is_terminated():
+        return False
+    if not isinstance(matcher, xgr.GrammarMatcher):
+        # FSM matchers terminate only by accepting a stop token
+        return True
+    # xgrammar keeps the matcher's kind to itself; only an ended matcher refuses a jump-forward string
+    try:
+        matcher.find_jump_forward_string()
+    except RuntimeError:
+        return True
+    return False
+
+
+def grammar_is_empty(grammar: xgr.CompiledGrammar | xgr.GrammarMatcher, vocab_size: int | None = None) -> bool:
+    """Whether a grammar allows no token and cannot end (its language is empty), so no request can follow it.
+
+    Parameters
+    ----------
+    grammar : xgrammar.CompiledGrammar or a matcher
+        A compiled grammar (a fresh matcher is built), or a matcher whose current state is checked (not changed).
+    vocab_size : int, optional
+        Vocabulary size of the masks; default: the compiled grammar's tokenizer's (needed for a matcher).
+
+    Notes
+    -----
+    The JSON schema ``{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}`` compiles to
+    ``defs_a ::= defs_a``: it compiles, and its first mask allows nothing.
+    """
+    if isinstance(grammar, xgr.CompiledGrammar):
+        if vocab_size is None:
+            vocab_size = grammar.tokenizer_info.vocab_size
+        grammar = xgr.GrammarMatcher(grammar)
+    elif vocab_size is None:
+        vocab_size = getattr(getattr(grammar, 'fsm', None), 'vocab_size', None)
+        if vocab_size is None:
+            raise ValueError('grammar_is_empty needs vocab_size to check a matcher')
+    if grammar.is_terminated() or grammar.is_completed():
+        return False
+    mask = allocate_bitmask(1, vocab_size)
+    grammar.fill_next_token_bitmask(mask, 0)
+    return not bool(unpack_bitmask(mask, vocab_size).any())
+
+
+def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """Bitmask ``(batch_size, words)`` of the committed states; rows without a matcher, or whose matcher has ended
+    (:func:`has_ended`), allow everything.
+
+    Does not change any matcher. ``pin_memory`` page-locks the bitmask, for a copy to the device that does not
+    block the host.
+    """
+    bitmask = allocate_bitmask(batch_size, vocab_size, pin_memory=pin_memory)
     for row, matcher in matchers.items():
-        matcher.fill_next_token_bitmask(bitmask, row)
+        if not has_ended(matcher):
+            matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 
 
 def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
-                         vocab_size: int) -> torch.Tensor:
+                         vocab_size: int, *, ready: Ready | None = None, pin_memory: bool = False) -> torch.Tensor:
     """Position-serial bitmasks for the ``num_spec_tokens + 1`` target positions of every request.
 
     Parameters
@@ -55,33 +110,60 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
         Draft tokens in the target vocabulary.
     vocab_size : int
         Target vocabulary size (the model's padded size).
+    ready : object with ``synchronize()``, optional
+        Waited for before ``draft_token_ids`` is read (a ``torch.cuda.Event`` recorded after the kernel that wrote
+        them; see :mod:`lmdeploy_guided_spec.ordering`).
+    pin_memory : bool, default: False
+        Page-lock the bitmask, for a copy to the device that does not block the host.
 
     Returns
     -------
     torch.Tensor
         ``(batch_size * (num_spec_tokens + 1), words)`` int32 CPU bitmask; row ``b * (k + 1) + i`` is the mask of
-        request ``b`` after its draft tokens ``0..i-1``. Unguided rows and unreachable positions allow every token.
+        request ``b`` after its draft tokens ``0..i-1``. Unguided rows and unreachable positions (after a rejected
+        draft, or after an accepted stop token) allow every token.
 
     Pseudocode::
 
-        for b, m in matchers: f = m.fork()
-            for i in 0..k: fill(f, row b*(k+1)+i); if i == k or not f.accept(draft[b][i]): break
+        for b, m in matchers: if m ended: continue
+            f = m.fork()
+            for i in 0..k: fill(f, row b*(k+1)+i)
+                if i == k or draft[b][i] is a stop token or not f.accept(draft[b][i]): break
     """
-    drafts = _as_rows(draft_token_ids)
+    drafts = host_lists(draft_token_ids, ready)
     batch_size = len(drafts)
     num_pos = (len(drafts[0]) if batch_size else 0) + 1
-    bitmask = allocate_bitmask(batch_size * num_pos, vocab_size)
+    bitmask = allocate_bitmask(batch_size * num_pos, vocab_size, pin_memory=pin_memory)
     for row, matcher in matchers.items():
+        if has_ended(matcher):
+            continue
         fork = matcher.fork()
+        stop = stop_tokens(fork)
         base = row * num_pos
         for i in range(num_pos):
             fork.fill_next_token_bitmask(bitmask, base + i)
-            if i == num_pos - 1 or not fork.accept_token(int(drafts[row][i])):
+            if i == num_pos - 1:
+                break
+            token = int(drafts[row][i])
+            # the request ends at a stop token, whether the matcher accepts it (and ends) or not
+            if token in stop or not fork.accept_token(token):
                 break
     return bitmask
 
 
-def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, int]:
+def _rejection(matcher, token: int, count: int, vocab_size: int | None) -> str:
+    """Why a matcher that has not ended rejected a committed token (its state is unchanged)."""
+    if vocab_size is None:
+        vocab_size = getattr(getattr(matcher, 'fsm', None), 'vocab_size', None)
+    if vocab_size is not None and grammar_is_empty(matcher, vocab_size):
+        return (f'the grammar allows no token at all after {count} accepted tokens, so committed token {token} '
+                'cannot follow (is the language of the grammar empty?)')
+    return f'the grammar rejected committed token {token} after {count} accepted tokens'
+
+
+def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
+           session_ids: Sequence[int] | Mapping[int, int] | None = None, failures: dict | None = None,
+           vocab_size: int | None = None, ready: Ready | None = None) -> dict[int, int]:
     """Advance each committed matcher by the tokens the target accepted for its row.
 
     Parameters
@@ -90,32 +172,54 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence) -> dict[int, 
         Committed matchers; advanced in place.
     token_ids : LongTensor or sequence, ``(batch_size,)`` or ``(batch_size, n)``
         Accepted tokens per row in order; ``-1`` (lmdeploy's placeholder) ends a row.
+    session_ids : sequence or mapping, optional
+        Session id of every batch row (``session_ids[row]``), the key of ``failures``; default: the batch row.
+    failures : dict, optional
+        Where a failure is recorded, ``{session id: message}`` (the first failure of a session is kept): a token
+        the grammar rejects while its matcher has not ended, naming the token and how many tokens were accepted
+        before it, or a state that allows no token at all. Without it a failure raises
+        :class:`GrammarRejectedError` once every row is committed.
+    vocab_size : int, optional
+        The model's vocabulary size, so that a failure can say the grammar allows no token at all.
+    ready : object with ``synchronize()``, optional
+        Waited for before ``token_ids`` is read (see :mod:`lmdeploy_guided_spec.ordering`).
 
     Returns
     -------
     dict
-        Number of tokens each matcher accepted. A terminated matcher stops at the first token it rejects (EOS
-        after the end of the grammar); a grammar that may end or go on (``x(yz)?`` after ``x``) keeps accepting.
+        Number of tokens each matcher accepted. The row ends where its matcher ends: after an accepted stop token
+        (plain matchers), or at a stop token rejected after the end of the grammar (matchers built with
+        ``terminate_without_stop_token``, which still accept what may go on where the grammar may end).
+
+    Raises
+    ------
+    GrammarRejectedError
+        Without ``failures``, when a row failed.
     """
-    rows = _as_rows(token_ids)
+    rows = host_lists(token_ids, ready)
     accepted = {}
+    found = {} if failures is None else failures
     for row, matcher in matchers.items():
         tokens = rows[row]
         if not isinstance(tokens, list):
             tokens = [tokens]
         count = 0
         for token in tokens:
+            token = int(token)
             if token < 0:
                 break
-            if not matcher.accept_token(int(token)):
-                if matcher.is_terminated():
-                    # lmdeploy's matchers end without a stop token, and report termination wherever the grammar
-                    # may end; they still accept what may go on, so only a rejected token ends the commit
-                    break
-                # The verification masks exclude such tokens, so this means masks and matchers drifted apart.
-                logger.error(f'grammar rejected committed token {token} of batch row {row} after {count} '
-                             'accepted tokens; the request continues unconstrained from here. Please file an issue.')
+            if not matcher.accept_token(token):
+                # after a stop token nothing is accepted, and a terminating matcher rejects the stop token after the
+                # end of its grammar: the row ended
+                ended = has_ended(matcher) or (matcher.is_terminated() and token in stop_tokens(matcher))
+                if not ended:
+                    # verification masks exclude such tokens: masks and matchers drifted apart, or the grammar
+                    # allows nothing here
+                    key = row if session_ids is None else session_ids[row]
+                    found.setdefault(key, f'batch row {row}: {_rejection(matcher, token, count, vocab_size)}')
                 break
             count += 1
         accepted[row] = count
+    if failures is None and found:
+        raise GrammarRejectedError('; '.join(found.values()))
     return accepted

@@ -1,4 +1,5 @@
 """Grammar-forced tokens: canonical tokenization of jump-forward text, held-back tails, drafting windows."""
+import functools
 import json
 
 import numpy as np
@@ -11,9 +12,16 @@ from lmdeploy_guided_spec.bitmask import allocate_bitmask, pack_bool_mask
 from lmdeploy_guided_spec.draft import DraftGrammar
 from lmdeploy_guided_spec.forced import ForcedTokenizer, forced_drafts, single_allowed_token
 
-from grammars import INSTANCES, SCHEMAS, compile_schema, new_matcher
+from grammars import INSTANCES, SCHEMAS, compile_schema
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=[True, False], ids=['terminating', 'plain'])
+def new_matcher(request):
+    # lmdeploy 0.14 builds its matchers with terminate_without_stop_token=True, lmdeploy 0.15+ without
+    return functools.partial(xgr.GrammarMatcher, terminate_without_stop_token=request.param)
+
 
 # json.dumps' default separators and the compact ones, with the xgrammar options that write them
 WHITESPACE = {
@@ -46,7 +54,7 @@ def test_tokenize_writes_the_text_exactly(tokenizer_name, text):
 
 @pytest.mark.parametrize('whitespace', sorted(WHITESPACE))
 @pytest.mark.parametrize('schema', sorted(SCHEMAS))
-def test_forced_drafts_are_the_canonical_tokens(tokenizer_name, schema, whitespace):
+def test_forced_drafts_are_the_canonical_tokens(tokenizer_name, schema, whitespace, new_matcher):
     """At every state along an instance's canonical tokens, the forced drafts are the next canonical tokens."""
     tok = testing.load_tokenizer(tokenizer_name)
     vocab = _vocab(tokenizer_name)
@@ -71,7 +79,7 @@ def test_forced_drafts_are_the_canonical_tokens(tokenizer_name, schema, whitespa
     assert forced_positions * 6 >= total
 
 
-def test_any_whitespace_forces_nothing_at_the_start(llama3):
+def test_any_whitespace_forces_nothing_at_the_start(llama3, new_matcher):
     """lmdeploy's default: optional whitespace may follow '{', so even a fixed first property is not forced."""
     schema = {'type': 'object', 'properties': {'customer_billing_address_postal_code': {'type': 'string'}},
               'required': ['customer_billing_address_postal_code'], 'additionalProperties': False}
@@ -85,7 +93,7 @@ def test_any_whitespace_forces_nothing_at_the_start(llama3):
     assert testing.load_tokenizer(llama3).decode(drafts) == '{"customer_billing_address_postal_code":'
 
 
-def test_held_back_text_is_forced_when_nothing_extends_it(llama3):
+def test_held_back_text_is_forced_when_nothing_extends_it(llama3, new_matcher):
     """The end of a grammar: the last forced text and EOS are drafts although longer tokens exist."""
     tok = testing.load_tokenizer(llama3)
     vocab = _vocab(llama3)
@@ -99,7 +107,7 @@ def test_held_back_text_is_forced_when_nothing_extends_it(llama3):
     assert tok.decode(drafts) == 'hello'
 
 
-def test_without_a_tokenizer_only_single_tokens_are_forced(llama3):
+def test_without_a_tokenizer_only_single_tokens_are_forced(llama3, new_matcher):
     tok = testing.load_tokenizer(llama3)
     matcher = new_matcher(_compile(llama3, SCHEMAS['person'], 'single'))
     for t in tok.encode('{"name": "Ada", "age": 3', add_special_tokens=False):
@@ -144,7 +152,7 @@ def _path(name, schema, whitespace):
 
 
 @pytest.mark.parametrize('k', [1, 4, 8])
-def test_propose_drafts_forced_tokens_and_keeps_reference_masks(llama3, k):
+def test_propose_drafts_forced_tokens_and_keeps_reference_masks(llama3, k, new_matcher):
     """Method grammar: drafts are the forced tokens, then a token the grammar rejects; the window's masks are the
     verification masks of the reference algorithm, bit for bit."""
     tok = testing.load_tokenizer(llama3)
@@ -185,7 +193,7 @@ def test_propose_without_guided_rows_does_no_grammar_work():
 
 
 @pytest.mark.parametrize('with_map', [False, True])
-def test_advance_drafts_the_forced_token_whatever_the_draft_chose(llama3, with_map):
+def test_advance_drafts_the_forced_token_whatever_the_draft_chose(llama3, with_map, new_matcher):
     """Draft-model windows: a forced position takes the grammar's token in place, even one an Eagle3 draft
     vocabulary lacks."""
     tok = testing.load_tokenizer(llama3)
@@ -231,7 +239,7 @@ def test_advance_drafts_the_forced_token_whatever_the_draft_chose(llama3, with_m
     assert torch.equal(draft, before), 'forced_drafts=False leaves the draft model its choice'
 
 
-def test_forced_tokens_of_a_window_at_every_position(llama3):
+def test_forced_tokens_of_a_window_at_every_position(llama3, new_matcher):
     """The worker finds forced tokens while it fills; positions whose fork died have none."""
     tok = testing.load_tokenizer(llama3)
     vocab = _vocab(llama3)

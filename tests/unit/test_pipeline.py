@@ -1,14 +1,23 @@
 """Verification masks reused from drafting windows are bit-identical to the per-position reference."""
+import functools
 import random
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, apply_bitmask_, testing, verification_bitmask
 
-from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
+from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=[True, False], ids=['terminating', 'plain'])
+def new_matcher(request):
+    # lmdeploy 0.14 builds its matchers with terminate_without_stop_token=True, lmdeploy 0.15+ without
+    return functools.partial(xgr.GrammarMatcher, terminate_without_stop_token=request.param)
+
 
 NAME, V = 'qwen3', 151936
 
@@ -45,7 +54,7 @@ def _same_masks(manager, reused, reference, matchers, k):
 
 @pytest.mark.parametrize('k', [1, 3, 5])
 @pytest.mark.parametrize('threaded__sparse', [(False, False), (True, False), (True, True)])
-def test_window_masks_equal_reference(k, threaded__sparse):
+def test_window_masks_equal_reference(k, threaded__sparse, new_matcher):
     threaded, sparse = threaded__sparse
     rng = random.Random(k)
     eos = testing.load_tokenizer(NAME).eos_token_id
@@ -77,7 +86,7 @@ def test_window_masks_equal_reference(k, threaded__sparse):
     worker.shutdown()
 
 
-def test_reordered_batch_and_unknown_sessions_fall_back():
+def test_reordered_batch_and_unknown_sessions_fall_back(new_matcher):
     """A later step with another batch order, a new request and changed drafts still gets exact masks."""
     k = 3
     grammars = _grammars()

@@ -1,4 +1,5 @@
 """Draft forks, position-serial verification masks and commits with real tokenizers and real grammars."""
+import functools
 import json
 import random
 
@@ -7,12 +8,30 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from lmdeploy_guided_spec import SpecGrammarManager, commit, testing, unpack_bitmask, verification_bitmask
+from lmdeploy_guided_spec import (
+    GrammarWorker,
+    SpecGrammarManager,
+    commit,
+    testing,
+    unpack_bitmask,
+    verification_bitmask,
+)
 from lmdeploy_guided_spec.draft import DraftGrammar
+from lmdeploy_guided_spec.errors import GrammarRejectedError
+from lmdeploy_guided_spec.step import grammar_is_empty
 
-from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps, new_matcher
+from grammars import INSTANCES, REGEX_INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, dumps
 
 pytestmark = pytest.mark.unit
+
+# A schema whose language is empty: it compiles to `defs_a ::= defs_a`, and its first mask allows nothing.
+EMPTY_SCHEMA = {'$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}
+
+
+@pytest.fixture(params=[True, False], ids=['terminating', 'plain'])
+def new_matcher(request):
+    # lmdeploy 0.14 builds its matchers with terminate_without_stop_token=True, lmdeploy 0.15+ without
+    return functools.partial(xgr.GrammarMatcher, terminate_without_stop_token=request.param)
 
 
 def _vocab(name):
@@ -23,7 +42,7 @@ def _path(name, text):
     return testing.load_tokenizer(name).encode(text, add_special_tokens=False)
 
 
-def _state_after(compiled, tokens):
+def _state_after(new_matcher, compiled, tokens):
     m = new_matcher(compiled)
     for t in tokens:
         assert m.accept_token(t)
@@ -41,7 +60,7 @@ def _random_drafts(rng, path, start, k, vocab):
 
 
 @pytest.mark.parametrize('schema', sorted(SCHEMAS))
-def test_verification_rows_equal_serial_reference(tokenizer_name, schema):
+def test_verification_rows_equal_serial_reference(tokenizer_name, schema, new_matcher):
     """Row i of each request equals a fresh matcher advanced by drafts 0..i-1; later rows allow everything."""
     rng = random.Random(schema)
     vocab = _vocab(tokenizer_name)
@@ -50,7 +69,7 @@ def test_verification_rows_equal_serial_reference(tokenizer_name, schema):
     k = 4
     for _ in range(6):
         starts = [rng.randrange(len(path)) for _ in range(3)]
-        matchers = {0: _state_after(compiled, path[:starts[0]]), 2: _state_after(compiled, path[:starts[2]])}
+        matchers = {row: _state_after(new_matcher, compiled, path[:starts[row]]) for row in (0, 2)}
         drafts = [_random_drafts(rng, path, s, k, vocab) for s in starts]
         before = {r: testing.allowed_tokens(m, vocab) for r, m in matchers.items()}
         allowed = unpack_bitmask(verification_bitmask(matchers, torch.tensor(drafts), vocab), vocab).view(3, k + 1, -1)
@@ -66,7 +85,7 @@ def test_verification_rows_equal_serial_reference(tokenizer_name, schema):
             assert torch.equal(testing.allowed_tokens(m, vocab), before[row])
 
 
-def test_commit_advances_exactly_the_accepted_tokens(llama3):
+def test_commit_advances_exactly_the_accepted_tokens(llama3, new_matcher):
     compiled = compile_schema(llama3, SCHEMAS['person'])
     path = _path(llama3, dumps(INSTANCES['person'][0]))
     matchers = {0: new_matcher(compiled), 1: new_matcher(compiled)}
@@ -75,42 +94,104 @@ def test_commit_advances_exactly_the_accepted_tokens(llama3):
     # each committed matcher is now in the state of a fresh matcher fed those tokens
     for row, n in ((0, 3), (1, 5)):
         assert torch.equal(testing.allowed_tokens(matchers[row], 128256),
-                           testing.allowed_tokens(_state_after(compiled, path[:n]), 128256))
+                           testing.allowed_tokens(_state_after(new_matcher, compiled, path[:n]), 128256))
 
 
-def test_commit_stops_at_termination(llama3):
+def test_commit_stops_at_termination(llama3, new_matcher):
     tok = testing.load_tokenizer(llama3)
     compiled = compile_schema(llama3, SCHEMAS['person'])
     path = _path(llama3, dumps(INSTANCES['person'][0]))
-    m = _state_after(compiled, path[:-1])
+    m = _state_after(new_matcher, compiled, path[:-1])
     accepted = commit({0: m}, [[path[-1], tok.eos_token_id, path[0]]])
-    assert accepted == {0: 1} and m.is_terminated()
+    # a terminating matcher rejects EOS after the end of the grammar, a plain one accepts it and then ends
+    ends_with_eos = not new_matcher.keywords['terminate_without_stop_token']
+    assert accepted == {0: 1 + ends_with_eos} and m.is_terminated()
 
 
-def test_commit_goes_on_where_a_grammar_may_end(llama3, caplog):
+def test_commit_goes_on_where_a_grammar_may_end(llama3, caplog, new_matcher):
     """lmdeploy's matchers report termination wherever the grammar may end (x(yz)? after x) but still accept what
     may follow; the commit must take it, as the non-speculative path does."""
     tok = testing.load_tokenizer(llama3)
     x, y, z = (tok.convert_tokens_to_ids(c) for c in 'xyz')
     m = new_matcher(testing.grammar_compiler(llama3).compile_regex('x(yz)?'))
-    assert commit({0: m}, [[x]]) == {0: 1} and m.is_terminated()
-    assert commit({0: m}, [[y, z, tok.eos_token_id]]) == {0: 2}
-    assert not testing.allowed_tokens(m, 128256)[y], 'after xyz nothing but EOS may follow'
+    terminating = new_matcher.keywords['terminate_without_stop_token']
+    assert commit({0: m}, [[x]]) == {0: 1} and m.is_terminated() == terminating
+    assert commit({0: m}, [[y, z, tok.eos_token_id]]) == {0: 2 + (not terminating)}
+    if terminating:
+        assert not testing.allowed_tokens(m, 128256)[y], 'after xyz nothing but EOS may follow'
+    assert m.is_terminated()
     assert 'Please file an issue' not in caplog.text
 
 
-def test_commit_of_a_rejected_token_keeps_state(llama3, caplog):
+def test_commit_of_a_rejected_token_keeps_state(llama3, new_matcher):
     compiled = compile_schema(llama3, SCHEMAS['person'])
     m = new_matcher(compiled)
     before = testing.allowed_tokens(m, 128256)
     bad = int((~before).nonzero()[0])
-    assert commit({0: m}, [[bad]]) == {0: 0}
-    assert 'Please file an issue' in caplog.text
+    failures = {}
+    assert commit({0: m}, [[bad]], failures=failures) == {0: 0}
+    assert list(failures) == [0] and str(bad) in failures[0]
     assert torch.equal(testing.allowed_tokens(m, 128256), before)
+    with pytest.raises(GrammarRejectedError, match=f'token {bad}'):
+        commit({0: m}, [[bad]])
+
+
+def test_a_rejected_committed_token_is_a_failure_of_its_session(llama3, new_matcher):
+    """Never a silent fallback: the session whose matcher rejected a committed token has a failure, the others
+    commit as usual."""
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    bad = int((~testing.allowed_tokens(_state_after(new_matcher, compiled, path[:2]), 128256)).nonzero()[0])
+    manager = SpecGrammarManager(128256, worker=GrammarWorker())
+    matchers = {0: new_matcher(compiled), 1: new_matcher(compiled)}
+    future = manager.commit_async(matchers, torch.tensor([path[:2] + [bad], path[:3]]), session_ids=[41, 42])
+    assert future.result() == {0: 2, 1: 3}
+    failures = manager.pop_failures()
+    assert list(failures) == [41]
+    assert f'token {bad}' in failures[41] and 'after 2 accepted' in failures[41]
+    assert manager.failures() == {}
+    manager.commit(matchers, [[bad], path[3:4]])
+    got = manager.pop_failures()
+    assert list(got) == [0], 'without session ids the batch row is the key'
+    assert f'token {bad}' in got[0] and 'after 0 accepted' in got[0]
+    manager.worker.shutdown()
+
+
+def test_failures_name_the_token_and_the_count(llama3, new_matcher):
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    bad = int((~testing.allowed_tokens(_state_after(new_matcher, compiled, path[:2]), 128256)).nonzero()[0])
+    manager = SpecGrammarManager(128256, worker=GrammarWorker(inline=True))
+    manager.commit({3: new_matcher(compiled)}, [[]] * 3 + [path[:2] + [bad]], session_ids={3: 77})
+    assert manager.failures() == manager.failures(), 'failures() does not clear'
+    (session, message), = manager.pop_failures().items()
+    assert session == 77 and f'token {bad}' in message and 'after 2 accepted' in message
+    assert manager.pop_failures() == {}
+    # finished sessions leave no failure behind
+    manager.commit({0: new_matcher(compiled)}, [[bad]], session_ids=[78])
+    manager.forget([78])
+    assert manager.failures() == {}
+
+
+@pytest.mark.parametrize('name', ['llama3', 'qwen3'])
+def test_an_empty_language_is_found_and_fails_its_request(name, new_matcher):
+    vocab = _vocab(name)
+    compiled = compile_schema(name, EMPTY_SCHEMA)
+    assert grammar_is_empty(compiled)
+    assert grammar_is_empty(new_matcher(compiled), vocab)
+    assert not grammar_is_empty(compile_schema(name, SCHEMAS['person']))
+    assert not grammar_is_empty(testing.grammar_compiler(name).compile_regex('x?'))
+    m = new_matcher(compiled)
+    assert not testing.allowed_tokens(m, vocab).any()
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True))
+    # whatever the engine samples from an all -inf row
+    manager.commit({0: m}, [[0]], session_ids=[9])
+    message = manager.pop_failures()[9]
+    assert 'allows no token' in message
 
 
 @pytest.mark.parametrize('regex', sorted(REGEXES))
-def test_regex_verification(llama3, regex):
+def test_regex_verification(llama3, regex, new_matcher):
     compiled = compile_regex(llama3, REGEXES[regex])
     for text in REGEX_INSTANCES[regex]:
         path = _path(llama3, text)
@@ -120,7 +201,7 @@ def test_regex_verification(llama3, regex):
             assert allowed[i, path[i]], 'each valid next token is allowed at its position'
 
 
-def test_draft_grammar_masks_and_forks(tokenizer_name):
+def test_draft_grammar_masks_and_forks(tokenizer_name, new_matcher):
     """Masked argmax drafts are always grammar-valid; the committed matcher never moves."""
     vocab = _vocab(tokenizer_name)
     compiled = compile_schema(tokenizer_name, SCHEMAS['nested_order'])
@@ -144,7 +225,7 @@ def test_draft_grammar_masks_and_forks(tokenizer_name):
         assert all(fresh.accept_token(t) for t in chosen[r]), 'masked drafts must be grammar-valid'
 
 
-def test_draft_grammar_dead_row_stops_masking(llama3):
+def test_draft_grammar_dead_row_stops_masking(llama3, new_matcher):
     compiled = compile_schema(llama3, SCHEMAS['person'])
     draft = DraftGrammar({0: new_matcher(compiled)}, batch_size=1, vocab_size=128256, num_spec_tokens=2)
     logits = torch.randn(1, 128256)
@@ -172,7 +253,7 @@ class _Target:
         return logits
 
 
-def _greedy_guided(target, compiled, vocab, eos, steps):
+def _greedy_guided(new_matcher, target, compiled, vocab, eos, steps):
     m, out = new_matcher(compiled), []
     for _ in range(steps):
         logits = target(out).unsqueeze(0)
@@ -186,7 +267,7 @@ def _greedy_guided(target, compiled, vocab, eos, steps):
     return out
 
 
-def _greedy_guided_spec(target, draft_model, compiled, vocab, eos, steps, k):
+def _greedy_guided_spec(new_matcher, target, draft_model, compiled, vocab, eos, steps, k):
     """The speculative loop as the patched engine runs it: masked drafts, masked verification, greedy accept."""
     mgr = SpecGrammarManager(vocab)
     matchers = {0: new_matcher(compiled)}
@@ -218,7 +299,7 @@ def _greedy_guided_spec(target, draft_model, compiled, vocab, eos, steps, k):
 
 @pytest.mark.parametrize('schema', sorted(SCHEMAS))
 @pytest.mark.parametrize('bias', [0.0, 8.0])
-def test_greedy_speculative_equals_greedy(llama3, schema, bias):
+def test_greedy_speculative_equals_greedy(llama3, schema, bias, new_matcher):
     """Contract rules 1 and 2 on the core alone: same tokens, and a fresh matcher accepts them."""
     tok = testing.load_tokenizer(llama3)
     vocab = 128256
@@ -227,8 +308,9 @@ def test_greedy_speculative_equals_greedy(llama3, schema, bias):
     target = _Target(path, vocab, bias, seed=1)
     draft_model = _Target(path, vocab, bias * 0.6, seed=2)  # a worse model: some drafts get rejected
     steps = len(path) + 4 if bias else 24
-    reference = _greedy_guided(target, compiled, vocab, tok.eos_token_id, steps)
-    spec, forwards = _greedy_guided_spec(target, draft_model, compiled, vocab, tok.eos_token_id, steps, k=3)
+    reference = _greedy_guided(new_matcher, target, compiled, vocab, tok.eos_token_id, steps)
+    spec, forwards = _greedy_guided_spec(new_matcher, target, draft_model, compiled, vocab, tok.eos_token_id, steps,
+                                         k=3)
     assert spec == reference
     fresh = new_matcher(compiled)
     assert all(fresh.accept_token(t) for t in spec if t != tok.eos_token_id)
@@ -256,7 +338,7 @@ def test_manager_without_guided_rows_does_nothing(monkeypatch):
     assert torch.equal(logits, before)
 
 
-def test_fork_independence_with_xgrammar(llama3):
+def test_fork_independence_with_xgrammar(llama3, new_matcher):
     """The assumption the design rests on: a fork moves independently of its origin."""
     compiled = compile_schema(llama3, SCHEMAS['person'])
     path = _path(llama3, dumps(INSTANCES['person'][0]))
