@@ -1,7 +1,7 @@
 """Exceptions raised by lmdeploy-guided-spec."""
 
-__all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarCompileError', 'GrammarCompileTimeout',
-           'GrammarCompilerUnavailable']
+__all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarRejectedError', 'GrammarCompileError',
+           'GrammarCompileTimeout', 'GrammarCompilerUnavailable']
 
 
 class GuidedSpecError(Exception):
@@ -14,6 +14,10 @@ class VocabMapError(GuidedSpecError, ValueError):
 
 class FsmError(GuidedSpecError, ValueError):
     """A token FSM file (speculative method ``fsm``) cannot be read or does not describe a usable FSM."""
+
+
+class GrammarRejectedError(GuidedSpecError):
+    """A request's grammar rejected a token committed to it, or allows no token at all: the request fails."""
 
 
 class GrammarCompileError(GuidedSpecError, ValueError):
