@@ -14,7 +14,9 @@ proposers, guided decoding and samplers run unchanged; what the CPU path replace
 - models compute in float32 (``LMDEPLOY_GUIDED_SPEC_CPU_DTYPE``: ``float32``, ``bfloat16``, ``float16`` or
   ``auto`` for lmdeploy's own choice);
 - the default rotary embedding runs without ``torch.compile`` (its first CPU compile takes seconds);
-- lmdeploy's environment check (which needs CUDA and runs in a spawned process) is skipped.
+- lmdeploy's environment check (which needs CUDA and runs in a spawned process) is skipped;
+- lmdeploy's multiprocess executor waits for its message barrier off the ranks' event loops, so ranks blocked in
+  gloo collectives cannot deadlock with it (:mod:`.ranks`).
 """
 from __future__ import annotations
 
@@ -122,6 +124,8 @@ def replacements() -> dict[str, list[str]]:
             'reject_sampler.rejection_greedy_sample_kernel', 'reject_sampler.rejection_random_sample_kernel',
             'reject_sampler.sample_recovered_tokens_kernel'],
         'other lmdeploy settings': ['lmdeploy.pytorch.envs.enable_check_env (off)'],
+        "lmdeploy's multiprocess executor (tp > 1 over gloo)": [
+            'mp_executor.Notifier.wait_async, mp_executor.Notifier.set_async (barrier waits off the event loop)'],
     }
 
 
@@ -142,4 +146,6 @@ def activate() -> None:
     _patch_rotary()
     _patch_rejection_sampler()
     _patch_env_check()
+    from . import ranks
+    ranks.install()
     _active = True

@@ -1,0 +1,254 @@
+"""lmdeploy's multi-rank executors on the CPU path: ``tp > 1`` (and ``dp > 1``) over gloo.
+
+lmdeploy 0.14.0's multiprocess executor (``engine/executor/mp_executor.py``) starts one process per rank; the CPU
+path reaches them through the ``.pth`` hook, the backend's ``ccl_backend()`` is ``gloo`` (so lmdeploy's own
+``init_process_group`` and ``DistContext.build`` make gloo groups where they would make NCCL ones), and
+``torch.cuda.set_device(rank)`` is a no-op. What remains is a deadlock that only blocking collectives expose:
+
+- the executor passes commands to the ranks through a ring of 32 shared-memory blocks; after every 32nd message the
+  sender and every rank meet at a ``multiprocessing.Barrier``, and each rank waits for it *synchronously* inside
+  its asyncio event loop (``Notifier.wait_async``; the sender's second barrier wait in ``Notifier.set_async`` is
+  synchronous too);
+- the forward of each step runs in the same event loop, with collectives between the ranks (the broadcast of the
+  sampled tokens, the all-reduce of every row-parallel linear layer). On a GPU an NCCL collective is queued on a
+  stream and returns at once; a gloo collective blocks the calling thread until every rank has joined it.
+
+So when rank 0 stops at the barrier of message 32 while rank 1 is blocked in the broadcast of the step rank 0 has
+not sampled yet, neither moves again (seen within the first request of a tp=2 run). :func:`install` makes the
+ranks wait for the barrier in a worker thread, so a rank's event loop keeps running its forward while the other
+ranks catch up. The executor side sends synchronously (``collective_rpc_async`` calls ``SharedBuffer.send``), which
+is safe: the ranks reach the barrier without needing the executor's loop.
+
+It also holds the per-rank draft log (:func:`install_draft_log`), a debug hook enabled by
+``LMDEPLOY_GUIDED_SPEC_DRAFT_LOG=<directory>`` (set before the engine starts; its rank processes inherit it). Each
+rank process appends JSON lines to ``<directory>/drafts-rank<R>-pid<P>.jsonl``:
+
+- ``kind: draft``: the result of ``SpecModelAgent.async_model_forward`` (the draft loop, or the grammar's proposal
+  for the draft-free methods): the drafts of every row as this rank computed them, before the broadcast. In
+  lmdeploy 0.14.0 only ranks with a ``SpecModelAgent`` draft: with a draft tp of 1 (every method but
+  ``qwen3_5_mtp``, see ``ConfigBuilder.build_specdecode_config``) that is rank 0 of each TP group; the others get
+  a ``BaseSpecModelAgent`` and take rank 0's drafts from the broadcast;
+- ``kind: verify``: after ``post_broadcast`` (every non-dummy step, every rank): the drafts this rank's target
+  verifies next.
+
+Every rank runs the same steps in the same order, so the ``i``-th record of a kind describes the same step on
+every rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+__all__ = ['install', 'install_draft_log', 'read_draft_logs', 'DRAFT_LOG_ENV']
+
+#: Directory for per-rank draft logs (unset: no log).
+DRAFT_LOG_ENV = 'LMDEPLOY_GUIDED_SPEC_DRAFT_LOG'
+
+_MARK = '__lmdeploy_guided_spec_cpu__'
+
+
+def _patch_notifier() -> None:
+    from lmdeploy.pytorch.engine.executor import mp_executor
+
+    notifier = mp_executor.Notifier
+    if getattr(notifier.wait_async, _MARK, False):
+        return
+    last = mp_executor.NUM_SHARED_BLOCK - 1
+
+    @asynccontextmanager
+    async def wait_async(self):
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.events[self._event_id].wait)
+        yield
+        if self._event_id == last:
+            # lmdeploy waits here synchronously, which stops this rank's forward (and its gloo collectives)
+            await loop.run_in_executor(None, self.bar.wait)
+            await loop.run_in_executor(None, self.bar.wait)
+        self._update_event_id()
+
+    async def set_async(self):
+        loop = asyncio.get_running_loop()
+        self.events[self._event_id].set()
+        if self._event_id == last:
+            await loop.run_in_executor(None, self.bar.wait)
+            [event.clear() for event in self.events]
+            await loop.run_in_executor(None, self.bar.wait)
+        self._update_event_id()
+
+    wait_async.__lmdeploy_guided_spec_cpu__ = True
+    notifier.wait_async = wait_async
+    notifier.set_async = set_async
+
+
+def _dp_master() -> tuple[str, str]:
+    addr, port = os.environ.get('LMDEPLOY_DP_MASTER_ADDR'), os.environ.get('LMDEPLOY_DP_MASTER_PORT')
+    if addr is None or port is None:
+        raise RuntimeError('DP > 1 requires "LMDEPLOY_DP_MASTER_ADDR" and "LMDEPLOY_DP_MASTER_PORT".')
+    return addr, port
+
+
+def _dp_executor_class():
+    from lmdeploy.pytorch.engine.executor import mp_executor
+    from lmdeploy.pytorch.engine.executor.dist_utils import setup_master_addr
+
+    class DPMPExecutor(mp_executor.MPExecutor):
+        """lmdeploy's ``MPExecutor`` for one data-parallel rank: it starts that rank's ``attn_tp`` processes.
+
+        lmdeploy 0.14.0 runs ``dp > 1`` only with its Ray executor (``build_executor`` asserts it): each dp rank is
+        an engine of its own whose workers take global ranks ``dp_rank * attn_tp + i`` in one process group of
+        ``world_size`` ranks, met at ``LMDEPLOY_DP_MASTER_ADDR``/``PORT``. ``MPExecutor`` instead starts
+        ``world_size`` processes numbered from 0. This class starts ``attn_tp`` processes with local ids; the
+        worker side (:func:`_patch_dp_worker`) offsets their ranks, as the Ray executor does.
+        """
+
+        def setup_master_addr(self):
+            # MPExecutor.__init__ calls this after ExecutorBase.__init__ and before it sizes its notifier and starts
+            # one process per rank of self.world_size: this dp rank owns attn_tp of them
+            self.world_size = self.dist_config.attn_tp
+            setup_master_addr(*_dp_master())
+
+    return DPMPExecutor
+
+
+def _patch_dp_worker() -> None:
+    from lmdeploy.pytorch.engine.executor import mp_executor
+
+    worker = mp_executor.MPWorkerWrapper
+    if getattr(worker.init_process_group, _MARK, False):
+        return
+    init_process_group = worker.init_process_group
+
+    def dp_init_process_group(self, rank: int, master_addr: str = None, master_port: str = None):
+        config = self.dist_config
+        if config.dp > 1:
+            rank += config.dp_rank * config.attn_tp
+            master_addr, master_port = _dp_master()
+        return init_process_group(self, rank, master_addr, master_port)
+
+    setattr(dp_init_process_group, _MARK, True)
+    worker.init_process_group = dp_init_process_group
+
+
+def _patch_build_executor() -> None:
+    from lmdeploy.pytorch.engine import engine
+    from lmdeploy.pytorch.engine.executor import build_executor
+
+    if getattr(engine.build_executor, _MARK, False):
+        return
+
+    def cpu_build_executor(model_path, cache_config, backend_config, dist_config, misc_config, *args,
+                           distributed_executor_backend: str = None, **kwargs):
+        if dist_config.dp == 1 or distributed_executor_backend not in (None, 'mp'):
+            return build_executor(model_path, cache_config, backend_config, dist_config, misc_config, *args,
+                                  distributed_executor_backend=distributed_executor_backend, **kwargs)
+        from lmdeploy.pytorch.config import ModelConfig
+        # what build_executor does before it asserts that dp > 1 needs Ray
+        dtype = kwargs.pop('dtype', 'auto')
+        specdecode_config = kwargs.get('specdecode_config')
+        model_config = ModelConfig.from_pretrained(
+            model_path, trust_remote_code=kwargs.get('trust_remote_code', False), dtype=dtype,
+            hf_overrides=misc_config.hf_overrides,
+            dist_config=dist_config, is_draft_model=False,
+            spec_method=None if specdecode_config is None else specdecode_config.method,
+            num_spec_tokens=0 if specdecode_config is None else specdecode_config.num_speculative_tokens,
+            model_format=misc_config.model_format, device_type=kwargs.get('device_type', 'cuda'),
+            block_size=cache_config.block_size)
+        return _dp_executor_class()(model_path=model_path, model_config=model_config, cache_config=cache_config,
+                                    backend_config=backend_config, dist_config=dist_config,
+                                    misc_config=misc_config, **kwargs)
+
+    setattr(cpu_build_executor, _MARK, True)
+    engine.build_executor = cpu_build_executor
+
+
+#: Seconds a terminated rank process gets to exit before it is killed.
+JOIN_TIMEOUT_S = 10.0
+
+
+def _patch_proc_join() -> None:
+    from lmdeploy.pytorch.engine.executor import mp_executor
+
+    proc_class = mp_executor.ExecutorProc
+    if getattr(proc_class.join, _MARK, False):
+        return
+
+    def join(self):
+        # a rank blocked in a gloo collective (its peers were terminated first) runs its SIGTERM handler only when
+        # the collective returns, which with lmdeploy's timeout of 35600 days is never
+        if self._proc is None:
+            return
+        self._proc.join(JOIN_TIMEOUT_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    setattr(join, _MARK, True)
+    proc_class.join = join
+
+
+def install() -> None:
+    """Let lmdeploy's multiprocess executor run its ranks over gloo without deadlock (idempotent)."""
+    _patch_notifier()
+    _patch_proc_join()
+    _patch_dp_worker()
+    _patch_build_executor()
+    if os.environ.get(DRAFT_LOG_ENV):
+        install_draft_log()
+
+
+def install_draft_log() -> None:
+    """Log every rank's drafts per step to ``$LMDEPLOY_GUIDED_SPEC_DRAFT_LOG`` (idempotent)."""
+    from lmdeploy.pytorch.spec_decode.base import BaseSpecModelAgent
+    from lmdeploy.pytorch.spec_decode.spec_agent import SpecModelAgent
+
+    forward = SpecModelAgent.async_model_forward
+    if getattr(forward, _MARK, False):
+        return
+
+    async def async_model_forward(self, model_inputs, extra_inputs, sampling_inputs):
+        out = await forward(self, model_inputs, extra_inputs, sampling_inputs)
+        ctx = getattr(sampling_inputs, 'session_ctx', None) if sampling_inputs is not None else None
+        _append(self, 'draft', out.output_draft_token_ids, model_inputs=model_inputs,
+                sessions=[int(c.get('session_id', -1)) for c in ctx] if ctx else None)
+        return out
+
+    post_broadcast = BaseSpecModelAgent.post_broadcast
+
+    @contextmanager
+    def logged_post_broadcast(self, extra_inputs, dist_ctx, need_broadcast: bool):
+        with post_broadcast(self, extra_inputs, dist_ctx, need_broadcast) as handle:
+            yield handle
+        # rank 0's drafts have arrived (the broadcast's handle has been waited for): what this rank verifies next
+        if self.is_enabled():
+            _append(self, 'verify', getattr(extra_inputs, 'output_draft_token_ids', None))
+
+    setattr(async_model_forward, _MARK, True)
+    SpecModelAgent.async_model_forward = async_model_forward
+    BaseSpecModelAgent.post_broadcast = logged_post_broadcast
+
+
+def _append(agent, kind: str, drafts, model_inputs=None, sessions=None) -> None:
+    directory = os.environ.get(DRAFT_LOG_ENV)
+    if not directory:
+        return
+    counter = f'_draft_log_{kind}'
+    step = getattr(agent, counter, 0)
+    setattr(agent, counter, step + 1)
+    record = {'kind': kind, 'step': step, 'drafts': None if drafts is None else drafts.tolist()}
+    if model_inputs is not None:
+        record.update(dummy=bool(model_inputs.is_dummy), decoding=bool(model_inputs.is_decoding), sessions=sessions)
+    path = Path(directory) / f'drafts-rank{agent.rank}-pid{os.getpid()}.jsonl'
+    with path.open('a') as f:
+        f.write(json.dumps(record) + '\n')
+
+
+def read_draft_logs(directory: str | Path) -> dict[int, list[dict]]:
+    """The draft logs of a directory by rank (one engine's ranks per directory)."""
+    logs: dict[int, list[dict]] = {}
+    for path in sorted(Path(directory).glob('drafts-rank*-pid*.jsonl')):
+        rank = int(path.name[len('drafts-rank'):].split('-', 1)[0])
+        logs.setdefault(rank, []).extend(json.loads(line) for line in path.read_text().splitlines() if line)
+    return logs
