@@ -120,14 +120,15 @@ class Engines:
         self._pipes = {}
         serialize_forwards()
 
-    def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS):
-        key = (target, spec, num_spec_tokens if spec else 0)
+    def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS, **engine_options):
+        """The pipeline; ``engine_options`` are ``PytorchEngineConfig`` fields beyond ``ENGINE_KWARGS``."""
+        key = (target, spec, num_spec_tokens if spec else 0, *sorted(engine_options.items()))
         if key not in self._pipes:
-            self._pipes[key] = self._build(target, spec, num_spec_tokens)
+            self._pipes[key] = self._build(target, spec, num_spec_tokens, engine_options)
         return self._pipes[key]
 
     @staticmethod
-    def _build(target: str, spec: bool, num_spec_tokens: int):
+    def _build(target: str, spec: bool, num_spec_tokens: int, engine_options: dict):
         from lmdeploy import PytorchEngineConfig, pipeline
         from lmdeploy.messages import SpeculativeConfig
 
@@ -137,7 +138,7 @@ class Engines:
             method, draft = models.SPECULATIVE[target]
             speculative_config = SpeculativeConfig(method=method, model=models.resolve(draft) if draft else '',
                                                    num_speculative_tokens=num_spec_tokens)
-        pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+        pipe = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS, **engine_options),
                         speculative_config=speculative_config, log_level='ERROR')
         return pipe
 

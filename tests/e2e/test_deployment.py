@@ -9,7 +9,6 @@ import math
 
 import pytest
 from e2e_helpers import (
-    ENGINE_KWARGS,
     METHODS,
     PERSON,
     PROMPTS,
@@ -89,23 +88,8 @@ def test_engines_of_one_process_keep_their_own_grammar_state(engines):
 
 @pytest.fixture(scope='module')
 def raw_logprob_pipes(engines):
-    """eagle3 and non-speculative pipelines with ``logprobs_mode='raw_logprobs'``, closed with the session's."""
-    from lmdeploy import PytorchEngineConfig, pipeline
-    from lmdeploy.messages import SpeculativeConfig
-
-    from lmdeploy_guided_spec.cpu import models
-    pipes = {}
-    for spec in (True, False):
-        key = ('raw_logprobs', spec)
-        if key not in engines._pipes:
-            method, draft = models.SPECULATIVE[METHODS['eagle3']]
-            config = SpeculativeConfig(method=method, model=models.resolve(draft), num_speculative_tokens=3)
-            engines._pipes[key] = pipeline(models.resolve(METHODS['eagle3']),
-                                           backend_config=PytorchEngineConfig(logprobs_mode='raw_logprobs',
-                                                                              **ENGINE_KWARGS),
-                                           speculative_config=config if spec else None, log_level='ERROR')
-        pipes[spec] = engines._pipes[key]
-    return pipes
+    """eagle3 and non-speculative pipelines with ``logprobs_mode='raw_logprobs'``."""
+    return {spec: engines(METHODS['eagle3'], spec=spec, logprobs_mode='raw_logprobs') for spec in (True, False)}
 
 
 def test_raw_logprobs_of_guided_requests(raw_logprob_pipes):

@@ -16,6 +16,7 @@ from e2e_helpers import (
     ENGINE_KWARGS,
     PERSON,
     PROMPTS,
+    STARTUP_S,
     check_valid,
     draft_free_pipeline,
     gen_config,
@@ -29,7 +30,6 @@ from e2e_helpers import (
 
 from lmdeploy_guided_spec.fsm import Fsm
 
-STARTUP_S = 300
 SINGLE = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}, 'whitespace': 'single'}
 COMPACT_OBJECT = {'type': 'json_object', 'whitespace': 'compact'}
 REGEX = {'type': 'regex_schema', 'regex_schema': r'(yes|no), because [a-z ]{1,20}\. Confidence: (low|high)'}
@@ -124,9 +124,6 @@ def test_fsm_pipeline_keeps_to_the_fsm(cpu_path, engines, fsm_file):
 
 
 # -- api_server ----------------------------------------------------------------------------------------------------
-_spawn, _start, _stop = spawn_server, start_server, stop_server
-
-
 def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
     client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=120, max_retries=0)
     kwargs = dict(model=client.models.list().data[0].id, messages=[{'role': 'user', 'content': prompt}],
@@ -142,7 +139,7 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
     args = ['--speculative-algorithm', method, '--speculative-num-draft-tokens', '4']
     if method == 'fsm':
         args += ['--speculative-draft-model', str(fsm_file)]
-    proc, base = _start(args, tmp_path / 'server.log')
+    proc, base = start_server(args, tmp_path / 'server.log')
     try:
         text, reason = _chat(base, SINGLE)
         assert reason == 'stop', text
@@ -157,7 +154,7 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
             assert text.startswith('Answer:'), text
         assert proc.poll() is None
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 # -- bad FSM files -------------------------------------------------------------------------------------------------
@@ -206,12 +203,12 @@ def test_api_server_refuses_to_start_with_a_bad_fsm_file(cpu_path, tmp_path, kin
     """The server exits with an error that names the file and the fault instead of serving."""
     path, message = _write_bad_fsm(tmp_path, kind)
     log = tmp_path / 'server.log'
-    proc, _ = _spawn(['--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3',
+    proc, _ = spawn_server(['--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3',
                       '--speculative-draft-model', str(path)], log)
     try:
         proc.wait(timeout=STARTUP_S)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_server(proc)
         pytest.fail(f'api_server still running with a bad FSM file:\n{log.read_text()[-4000:]}')
     finally:
         try:

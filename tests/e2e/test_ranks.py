@@ -16,7 +16,7 @@ import os
 import time
 
 import pytest
-from e2e_helpers import ENGINE_KWARGS, PERSON, check_valid, gen_config, generate, response_format
+from e2e_helpers import ENGINE_KWARGS, PERSON, check_valid, free_port, gen_config, generate, response_format
 
 from lmdeploy_guided_spec.cpu import ranks
 
@@ -96,13 +96,6 @@ def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     print(f'[tp=2 {method}] {steps} speculative steps, drafts identical on both ranks')
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 # the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: serves nothing until stdin closes
 _IDLE_RANK = """
 import sys
@@ -126,7 +119,7 @@ class DPEngines:
     def __init__(self, target: str, method: str | None, draft: str | None):
         import subprocess
         import sys
-        env = {'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(_free_port())}
+        env = {'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
         os.environ.update(env)
         try:
             self.idle = subprocess.Popen([sys.executable, '-c', _IDLE_RANK, os.path.dirname(__file__), target,

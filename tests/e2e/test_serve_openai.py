@@ -1,20 +1,13 @@
 """``lmdeploy serve api_server`` with speculative decoding, started as a real process on the CPU path (its engine
 runs in a spawned child process, which the ``.pth`` hook activates), queried with the ``openai`` client."""
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 
 import openai
 import pytest
-from e2e_helpers import CODE_REGEX, PERSON, check_valid
+from e2e_helpers import CODE_REGEX, PERSON, check_valid, start_server, stop_server
 
-STARTUP_S = 300
 JSON_SCHEMA = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}}
 JSON_OBJECT = {'type': 'json_object'}
 # lmdeploy's extension of the OpenAI response_format
@@ -23,44 +16,15 @@ INVALID = {'type': 'json_schema', 'json_schema': {'name': 'bad', 'schema': {
     'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope='module')
 def server(cpu_path, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp('api_server') / 'server.log'
-    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch',
-           '--speculative-algorithm', 'eagle3', '--speculative-draft-model', 'tiny-llama-eagle3',
-           '--speculative-num-draft-tokens', '3', '--server-name', '127.0.0.1', '--server-port', str(port),
-           '--max-batch-size', '8', '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
-    with open(log, 'wb') as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f'http://127.0.0.1:{port}'
+    proc, base = start_server(['--speculative-algorithm', 'eagle3', '--speculative-draft-model', 'tiny-llama-eagle3',
+                               '--speculative-num-draft-tokens', '3'], log, max_batch_size=8)
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f'api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}')
-            try:
-                urllib.request.urlopen(f'{base}/v1/models', timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f'api_server not up after {STARTUP_S} s:\n{log.read_text()[-4000:]}')
-                time.sleep(1)
         yield dict(base=base, proc=proc, log=log)
     finally:
-        # the server and the engine process it spawned share the new session's process group
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope='module')
