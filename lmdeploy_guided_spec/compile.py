@@ -299,6 +299,21 @@ class GrammarCompileService:
         self._jobs.put(job)
         return job.future
 
+    def lookup(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar | None:
+        """The cached grammar, or None when it is not cached (never starts a compile).
+
+        An engine gates a request on :meth:`submit` and builds its matcher with this once the future is done; a
+        grammar evicted in between is None, and the caller compiles it as it would without the service.
+        """
+        kind, source, options = self._normalize(kind, source, options)
+        key = (kind, source, json.dumps(options, sort_keys=True))
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                return None
+            self._cache.move_to_end(key)
+            return cached[0]
+
     def compile(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar:
         """Blocking :meth:`submit`: wait for the grammar (for tools and tests, never for an engine loop)."""
         return self.submit(kind, source, **options).result()

@@ -155,6 +155,17 @@ def test_repeats_and_duplicates_cost_nothing(service):
     assert service.compile('json_schema', json.dumps(PERSON), separators=[',', ': ']) is one
 
 
+def test_lookup_answers_from_the_cache_and_never_compiles(service):
+    assert service.lookup('regex', 'lookup-[0-9]{2}') is None
+    assert service.lookup('regex', 'lookup-[0-9]{2}') is None  # a miss starts nothing
+    grammar = service.submit('regex', 'lookup-[0-9]{2}').result(timeout=60)
+    assert service.lookup('regex', 'lookup-[0-9]{2}') is grammar
+    # the same key as submit: a dict schema and its JSON text are one grammar
+    one = service.compile('json_schema', NESTED, any_whitespace=False)
+    assert service.lookup('json_schema', json.dumps(NESTED), any_whitespace=False) is one
+    assert service.lookup('json_schema', NESTED) is None  # other options, another grammar
+
+
 def test_the_cache_is_bounded_by_bytes(service, monkeypatch):
     size = service.compile('regex', 'size-probe').memory_size_bytes
     monkeypatch.setattr(service, 'cache_limit_bytes', 3 * size + size // 2)
