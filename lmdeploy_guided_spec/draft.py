@@ -17,7 +17,7 @@ model's choice, and :meth:`DraftGrammar.propose` drafts a whole window from forc
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .forced import ForcedTokenizer, forced_token
+from .guess import GuessWindow
 from .ordering import Ready, host_lists, record_ready, to_device
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import has_ended, stop_tokens
@@ -107,6 +108,9 @@ class DraftGrammar:
         Writes forced text (xgrammar's jump-forward string) as tokens; without it only positions whose mask allows
         a single token are forced. Matchers are xgrammar ``GrammarMatcher`` objects or behave like one
         (:class:`lmdeploy_guided_spec.fsm.FsmMatcher`).
+    guesses : callable, optional
+        Called on the worker when :meth:`propose` starts: a :class:`GuessWindow` that drafts guesses (the request's
+        formatting, text from its context) where the grammar forces nothing.
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -114,7 +118,7 @@ class DraftGrammar:
                  session_ids: Sequence[int] | None = None, pin_memory: bool = False,
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
                  sparse: SparseMaskBuilder | None = None, forced: bool = False,
-                 tokenizer: ForcedTokenizer | None = None):
+                 tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None):
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -128,6 +132,7 @@ class DraftGrammar:
         self.batch_matcher = batch_matcher
         self.forced = forced
         self.tokenizer = tokenizer
+        self.guesses = guesses
         # per draft position: {row: the token the grammar forces there}
         self._forced: list[dict[int, int]] = []
         self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
@@ -255,8 +260,9 @@ class DraftGrammar:
     def propose(self, filler: int = 0) -> torch.Tensor:
         """Draft the whole window from the grammar alone and return the drafts ``(batch, k)`` LongTensor (waits).
 
-        Each guided row drafts the tokens its grammar forces, position by position; at the first position that
-        forces nothing it drafts a token the grammar disallows there, which verification always rejects, and its
+        Each guided row drafts the tokens its grammar forces, position by position (and, with ``guesses``, guessed
+        tokens where nothing is forced); at the first position with no draft it drafts a token the grammar
+        disallows there, which verification always rejects, and its
         later positions are unreachable. Unguided rows draft ``filler``. Needs ``forced`` and a fresh window; the
         masks are kept for verification as with a draft model.
         """
@@ -271,16 +277,21 @@ class DraftGrammar:
 
     def _propose(self, filler: int) -> torch.Tensor:
         drafts = torch.full((self.batch_size, self.num_spec_tokens), filler, dtype=torch.long)
+        guesses = self.guesses() if self.guesses is not None else None
         for position in range(self.num_spec_tokens):
             forced = self._forced[position]
             for row in self.rows:
                 if row in self.dead:
                     continue
                 token = forced.get(row)
+                if guesses is not None:
+                    token = guesses.choose(row, self.forks[row], self.masks[row, position], token)
                 if token is None:
                     token = _disallowed_token(self.masks[row, position], self.vocab_size)
                 drafts[row, position] = filler if token is None else token
             self._advance(drafts[:, position].tolist(), position)
+        if guesses is not None:
+            guesses.finish()
         return drafts
 
     def verification_masks(self) -> torch.Tensor | SparseRows:

@@ -231,6 +231,17 @@ class ForcedTokenizer:
                 return ids
         return None
 
+    def encode(self, text: str) -> list[int] | None:
+        """Token ids whose bytes are exactly ``text`` as the tokenizer writes it, or None (not cached)."""
+        return self._encode_exact(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` adds to output text: empty for special tokens and ids outside the vocabulary."""
+        vocab = self.decoded_vocab
+        if token < 0 or token >= len(vocab) or token in self._exclude:
+            return b''
+        return vocab[token]
+
     def tokenize(self, text: str) -> tuple[tuple[int, ...], int]:
         """Canonical token ids of ``text`` and how many of them are stable.
 

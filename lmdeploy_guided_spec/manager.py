@@ -27,6 +27,7 @@ windows, and are the whole draft where there is no draft model (:meth:`SpecGramm
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ import xgrammar as xgr
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
 from .forced import ForcedTokenizer
+from .guess import GuessDrafts
 from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import commit, fill_bitmask, verification_bitmask
@@ -83,11 +85,17 @@ class SpecGrammarManager:
         Inside drafting windows, draft the token the grammar forces whatever the draft model chose; default: on,
         unless the environment variable ``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS`` is ``0``. :meth:`propose` always
         drafts forced tokens.
+    guess_drafts : bool or sequence of str, optional
+        Where the grammar forces nothing, :meth:`propose` drafts guesses (:mod:`lmdeploy_guided_spec.guess`): the
+        request's own formatting (``'format'``) and text copied from its prompt and output (``'lookup'``). True:
+        both; default: as the environment variable ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS`` says (``1``: both, ``0``:
+        none, or a comma list; default both). Needs ``tokenizer``.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
-                 tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None):
+                 tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
+                 guess_drafts: bool | Sequence[str] | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -107,6 +115,12 @@ class SpecGrammarManager:
             self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
             # reading and sorting the vocabulary takes about a second for 128k tokens: do it before the first request
             self.worker.submit(self.forced_tokenizer.prepare)
+        #: Histories and guessed drafts of the guided requests (None without a tokenizer or with no source on)
+        self.guesses: GuessDrafts | None = None
+        if self.forced_tokenizer is not None and guess_drafts is not False:
+            sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
+            guesses = GuessDrafts(self.forced_tokenizer, vocab_size, sources=sources)
+            self.guesses = guesses if guesses.enabled else None
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)
@@ -232,8 +246,12 @@ class SpecGrammarManager:
 
     def _commit(self, matchers: dict, token_ids, session_ids, ready) -> dict[int, int]:
         failures: dict = {}
+        if self.guesses is not None:
+            token_ids, ready = host_lists(token_ids, ready), None
         accepted = commit(matchers, token_ids, session_ids=session_ids, failures=failures, vocab_size=self.vocab_size,
                           ready=ready)
+        if self.guesses is not None:
+            self.guesses.committed(matchers, token_ids)
         if failures:
             for key, message in failures.items():
                 logger.error(f'guided request {key} fails: {message}')
@@ -291,21 +309,30 @@ class SpecGrammarManager:
                 self._windows[session_ids[row]] = (window, row)
 
     def propose(self, matchers: Matchers, batch_size: int, num_spec_tokens: int, *,
-                session_ids: Sequence[int] | None = None, filler: int = 0) -> torch.Tensor:
+                session_ids: Sequence[int] | None = None, filler: int = 0,
+                prompt_ids: Sequence | None = None) -> torch.Tensor:
         """Drafts ``(batch_size, num_spec_tokens)`` LongTensor (CPU) from the grammars alone, with no draft model.
 
         Guided rows draft the tokens their grammar forces (:meth:`DraftGrammar.propose`); the rest of a guided row
         and every unguided row hold tokens verification rejects or a ``filler``. Waits. With ``session_ids`` the
-        window's masks serve the next :meth:`verification_bitmask`, as with a draft model.
+        window's masks serve the next :meth:`verification_bitmask`, as with a draft model. Where the grammar forces
+        nothing, rows draft guesses (``guess_drafts``); ``prompt_ids[row]`` (host token ids of a row's prompt, or
+        None; given at prefill) adds to the context they copy from.
         """
         if not matchers:
             return torch.full((batch_size, num_spec_tokens), int(filler), dtype=torch.long)
         window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens, worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=True,
-                              tokenizer=self.forced_tokenizer)
+                              tokenizer=self.forced_tokenizer, guesses=self._guess_window(matchers, session_ids,
+                                                                                         prompt_ids, num_spec_tokens))
         self._keep(window, matchers, session_ids)
         return window.propose(filler)
+
+    def _guess_window(self, matchers: Matchers, session_ids, prompt_ids, num_spec_tokens: int):
+        if self.guesses is None:
+            return None
+        return functools.partial(self.guesses.window, dict(matchers), session_ids, prompt_ids, num_spec_tokens)
 
     def forget(self, session_ids: Sequence[int]) -> None:
         """Drop kept windows and failures of finished sessions."""
@@ -313,6 +340,9 @@ class SpecGrammarManager:
             for session_id in session_ids:
                 self._windows.pop(session_id, None)
                 self._failures.pop(session_id, None)
+        if self.guesses is not None:
+            # after the commits queued before
+            self.worker.submit(self.guesses.forget, list(session_ids))
 
     @property
     def num_kept_windows(self) -> int:

@@ -160,8 +160,9 @@ def test_propose_drafts_forced_tokens_and_keeps_reference_masks(llama3, k, new_m
     forced = _forced(llama3)
     compiled = _compile(llama3, SCHEMAS['nested_order'], 'single')
     path = _path(llama3, 'nested_order', 'single')
+    # forced drafts alone (guessed drafts: test_guess.py)
     manager = SpecGrammarManager(vocab, tokenizer=tok, tokenizer_info=testing.tokenizer_info(llama3),
-                                 sparse_masks=False)
+                                 sparse_masks=False, guess_drafts=False)
     for start in range(0, len(path), 3):
         committed = {0: new_matcher(compiled), 2: new_matcher(compiled)}
         for t in path[:start]:

