@@ -15,6 +15,9 @@ proposers, guided decoding and samplers run unchanged; what the CPU path replace
   ``auto`` for lmdeploy's own choice);
 - the default rotary embedding runs without ``torch.compile`` (its first CPU compile takes seconds);
 - lmdeploy's environment check (which needs CUDA and runs in a spawned process) is skipped;
+- the default ``max_batch_size`` is 8, the KV cache sizing halves the prefill budget until the cache fits, memory
+  errors name ``LMDEPLOY_GUIDED_SPEC_CPU_MEMORY_GB``, and the api_server's engine process survives a manager that
+  shuts down before its last reply (:mod:`.engine`);
 - lmdeploy's multiprocess executor waits for its message barrier off the ranks' event loops, so ranks blocked in
   gloo collectives cannot deadlock with it (:mod:`.ranks`).
 """
@@ -108,7 +111,7 @@ def _patch_env_check() -> None:
 
 def replacements() -> dict[str, list[str]]:
     """What the CPU path replaces, by kind (for reports and the docs)."""
-    from . import device
+    from . import device, engine
     from .backend import CPU_OPS, TORCH_OPS
     return {
         'device arguments redirected to the CPU': [f'torch.{n}' for n in device.REDIRECTED_FACTORIES]
@@ -124,6 +127,7 @@ def replacements() -> dict[str, list[str]]:
             'reject_sampler.rejection_greedy_sample_kernel', 'reject_sampler.rejection_random_sample_kernel',
             'reject_sampler.sample_recovered_tokens_kernel'],
         'other lmdeploy settings': ['lmdeploy.pytorch.envs.enable_check_env (off)'],
+        "lmdeploy's engine start (defaults, KV cache sizing, the api_server's engine process)": engine.replaced(),
         "lmdeploy's multiprocess executor (tp > 1 over gloo)": [
             'mp_executor.Notifier.wait_async, mp_executor.Notifier.set_async (barrier waits off the event loop)'],
     }
@@ -146,6 +150,7 @@ def activate() -> None:
     _patch_rotary()
     _patch_rejection_sampler()
     _patch_env_check()
-    from . import ranks
+    from . import engine, ranks
+    engine.install()
     ranks.install()
     _active = True
