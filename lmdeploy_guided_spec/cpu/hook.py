@@ -6,8 +6,8 @@ interpreter start it checks ``LMDEPLOY_GUIDED_SPEC_DEVICE`` and, only when it is
 :func:`lmdeploy_guided_spec.cpu.activate` to run as soon as the ``lmdeploy`` package has been imported (before any
 engine is built). Processes without the variable pay one environment lookup.
 
-``scripts/setup.sh`` installs the file (``python -m lmdeploy_guided_spec.cpu install-hook``); the ``serve-cpu``
-and ``demo`` commands install it when it is missing.
+Only ``scripts/setup.sh`` and the explicit ``python -m lmdeploy_guided_spec.cpu install-hook`` write the file;
+``serve-cpu`` refuses to start without it.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +43,18 @@ def _target(args: argparse.Namespace) -> patcher.Target:
     return patcher.locate_installed(args.site)
 
 
+#: The commands that work on one lmdeploy installation and so take ``--site``.
+_SITE_COMMANDS = re.compile(rf'({re.escape(COMMAND)} (?:apply|revert|status|verify-series|dev-checkout)'
+                            r'(?: --[a-z][a-z-]*)*)')
+
+
+def with_site(text: str, site: Path | None) -> str:
+    """``text`` with ``--site DIR`` added to every command of this tool in it that takes one."""
+    if site is None:
+        return text
+    return _SITE_COMMANDS.sub(lambda m: f'{m.group(1)} --site {shlex.quote(str(site))}', text)
+
+
 def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
     result = patcher.apply(target, patcher.find_series(target.version), dry_run=args.dry_run)
@@ -59,7 +73,7 @@ def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
         print(f'  {rel}')
     if not args.dry_run:
         print(f'state: {target.state_file}')
-        print(f'undo with: {COMMAND} revert')
+        print(with_site(f'undo with: {COMMAND} revert', args.site))
     return 0
 
 
@@ -102,7 +116,8 @@ def _cmd_status(args: argparse.Namespace, report: _Report) -> int:
         print(f'  {row.state:<9} {row.path}')
     print(f'overall: {found.overall}')
     if found.overall in _STATUS_FIX:
-        report.error(f'the installed lmdeploy is {found.overall}; to fix: {_STATUS_FIX[found.overall]}')
+        report.error(with_site(f'the installed lmdeploy is {found.overall}; to fix: {_STATUS_FIX[found.overall]}',
+                               args.site))
         return 1
     return 0
 
@@ -172,11 +187,6 @@ def _cmd_demo(args: argparse.Namespace, report: _Report) -> int:
     return int(demo.main(args) or 0)
 
 
-def _cmd_serve_cpu(args: argparse.Namespace, report: _Report) -> int:
-    from ..cpu.__main__ import serve
-    return serve(args.args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``lmdeploy-guided-spec`` command."""
     parser = argparse.ArgumentParser(prog=COMMAND, description='Guided decoding with speculative decoding for the '
@@ -225,10 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='also run the request without speculative decoding and compare the tokens')
     p.set_defaults(handler=_cmd_demo)
 
-    p = sub.add_parser('serve-cpu', help='lmdeploy serve api_server on the CPU (MODEL may name a built-in model)',
-                       add_help=False)
-    p.add_argument('args', nargs=argparse.REMAINDER, help='MODEL [lmdeploy serve api_server options]')
-    p.set_defaults(handler=_cmd_serve_cpu)
+    # main() hands serve-cpu's arguments to the CPU path's serve before parsing (they are lmdeploy's options)
+    sub.add_parser('serve-cpu', help='lmdeploy serve api_server on the CPU: serve-cpu MODEL [lmdeploy serve '
+                   'api_server options]; MODEL may name a built-in model (serve-cpu --help)', add_help=False)
 
     p = sub.add_parser('dev-checkout', parents=[site],
                        help='create a git checkout of the pristine sources with the series as commits')
@@ -260,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Exit status: 0 ok, 1 check failed or stale, 2 usage, 3 version mismatch, 4 not pristine or modified,
         5 patch does not apply, 6 git missing.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ['serve-cpu']:
+        from ..cpu.__main__ import serve
+        return serve(argv[1:], prog=f'{COMMAND} serve-cpu')
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -272,9 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = args.handler(args, report)
     except PatchError as err:
-        report.error(str(err))
+        report.error(with_site(str(err), getattr(args, 'site', None)))
         code = err.exit_code
-    if code != 0 or report.warnings:
+    if report.errors or report.warnings:
         report.summary()
     return code
 

@@ -12,6 +12,7 @@ is switched on here, because Triton reads that switch when it is imported.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,11 @@ def cpu_path():
 
     from lmdeploy_guided_spec import cpu
     from lmdeploy_guided_spec.cpu import hook
+    if not hook.is_installed():
+        # lmdeploy's engine and rank processes reach the CPU path through the hook; the tests do not install it
+        pytest.fail(f"the CPU path's hook is not installed ({hook.pth_path()}); to fix: {sys.executable} -m "
+                    'lmdeploy_guided_spec.cpu install-hook (scripts/setup.sh runs it)')
     cpu.activate()
-    hook.install()
     # several engines live in this process: see serialize_forwards
     serialize_forwards()
     return cpu

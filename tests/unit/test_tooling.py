@@ -494,6 +494,18 @@ def test_cli_apply_status_revert(site: Path, env, capsys: pytest.CaptureFixture)
     assert 'nothing to revert' in capsys.readouterr().out
 
 
+def test_cli_fix_hints_keep_the_site(site: Path, env, capsys: pytest.CaptureFixture):
+    assert cli.main(['apply', '--site', str(site)]) == 0
+    assert f'undo with: lmdeploy-guided-spec revert --site {site}' in capsys.readouterr().out
+    (site / AGENT).write_text('edited\n')
+    assert cli.main(['status', '--site', str(site)]) == 1
+    assert (f'to fix: lmdeploy-guided-spec revert --force --site {site} && lmdeploy-guided-spec apply --site {site}'
+            in capsys.readouterr().err)
+    assert cli.main(['revert', '--site', str(site)]) == 4
+    assert f'to fix: lmdeploy-guided-spec revert --force --site {site}' in capsys.readouterr().err
+    assert cli.main(['revert', '--force', '--site', str(site)]) == 0
+
+
 def test_cli_exit_codes_on_refusals(site: Path, env, series_root: Path, real: patcher.Target, pristine_site: Path,
                                     capsys: pytest.CaptureFixture, tmp_path: Path):
     with (site / SAMPLER).open('a') as f:
