@@ -1,0 +1,124 @@
+"""Grammars compile off the engine loop: a request waits for its grammar while the others keep decoding, and a
+compile past the limit fails that request alone (defect 6 of the issue "The engine never dies, never stalls,
+never drops the grammar").
+
+One speculative engine (eagle3) with a compile limit of a few seconds. A long unguided stream decodes while two
+big schemas arrive: one compiles within the limit, one does not. Before the fix the engine compiled inside its
+loop: the stream stopped for as long as the compile ran, and no compile ever failed.
+"""
+import re
+import threading
+import time
+
+import pytest
+from e2e_helpers import ENGINE_KWARGS, PROMPTS, check_valid, gen_config, generate, manager, response_format
+
+from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV
+
+LIMIT_S = 6
+# the longest pause of the running stream while the big grammars compile: shorter than the compile limit, which the
+# slow compile runs into (before the fix the stream paused for the whole compile, several times the limit). A
+# step of the tiny model takes milliseconds; the margin is for the entry checks, which parse the whole grammar in
+# Python threads, and for a loaded machine
+MAX_GAP_S = LIMIT_S
+
+
+def _wide_schema(n: int) -> dict:
+    """An object of ``n`` optional integer properties: compile time grows faster than ``n``."""
+    return {'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(n)},
+            'additionalProperties': False}
+
+
+def _fmt(schema: dict) -> dict:
+    return {'type': 'json_schema', 'json_schema': {'name': 'wide', 'schema': schema}}
+
+
+@pytest.fixture(scope='module')
+def limited_pipe(engines, monkeypatch_module):
+    """A speculative pipeline whose engine compiles grammars with a limit of LIMIT_S seconds."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec.cpu import models
+    key = ('compile-limit', LIMIT_S)
+    if key not in engines._pipes:
+        monkeypatch_module.setenv(COMPILE_TIMEOUT_ENV, str(LIMIT_S))
+        spec = SpeculativeConfig(method='eagle3', model=models.resolve('tiny-llama-eagle3'), num_speculative_tokens=3)
+        engines._pipes[key] = pipeline(models.resolve('tiny-llama'), backend_config=PytorchEngineConfig(
+            **ENGINE_KWARGS), speculative_config=spec, log_level='ERROR')
+        monkeypatch_module.delenv(COMPILE_TIMEOUT_ENV)
+    return engines._pipes[key]
+
+
+@pytest.fixture(scope='module')
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
+    pipe = limited_pipe
+    times: list[float] = []
+    finished = []
+
+    def long_stream():
+        config = gen_config(None, max_new_tokens=1000, ignore_eos=True)
+        for chunk in pipe.stream_infer([PROMPTS[1]], gen_config=[config]):
+            times.append(time.perf_counter())
+            if chunk.finish_reason is not None:
+                finished.append(chunk.finish_reason)
+
+    streamer = threading.Thread(target=long_stream, daemon=True)
+    streamer.start()
+    deadline = time.perf_counter() + 120
+    while len(times) < 5 and time.perf_counter() < deadline and streamer.is_alive():
+        time.sleep(0.05)
+    assert len(times) >= 5, 'the long stream did not start'
+
+    fits, too_slow, small = _fmt(_wide_schema(300)), _fmt(_wide_schema(8000)), response_format('json_schema')
+    start = time.perf_counter()
+    outputs = generate(pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24), gen_config(too_slow),
+                                           gen_config(small)])
+    end = time.perf_counter()
+    stream_was_running = streamer.is_alive()
+    streamer.join(timeout=300)
+    assert finished == ['length'], finished
+
+    # the grammar past the limit fails its own request, and says why and what to change
+    assert outputs[1].finish_reason == 'error', outputs[1]
+    assert f'longer than {LIMIT_S} s' in outputs[1].text and COMPILE_TIMEOUT_ENV in outputs[1].text, outputs[1].text
+    # the others completed under their grammars
+    assert outputs[0].finish_reason in ('stop', 'length'), outputs[0]
+    assert outputs[0].text.startswith('{') and all(key.startswith('"field_') for key in
+                                                   _keys(outputs[0].text)), outputs[0].text
+    assert outputs[2].finish_reason == 'stop', outputs[2]
+    check_valid(outputs[2].text, small)
+
+    # while the grammars compiled, the stream kept decoding
+    assert stream_was_running, 'the stream ended before the compiles did; make it longer'
+    window = [t for t in times if start <= t <= end]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    assert window and max(gaps, default=0.0) < MAX_GAP_S, (
+        f'the stream paused {max(gaps, default=0.0):.1f} s while grammars compiled ({end - start:.1f} s)')
+
+
+def _keys(text: str) -> list[str]:
+    """The property names of a (possibly cut) JSON object, as written."""
+    return re.findall(r'"[^"]*"(?=\s*:)', text)
+
+
+def test_compiled_grammars_are_kept_in_bounded_caches(limited_pipe):
+    """Both compile caches of the engine are bounded by bytes (lmdeploy left xgrammar's unbounded), and a grammar
+    compiled once is served from the cache to the next request."""
+    mgr = manager(limited_pipe)
+    assert 0 < mgr.compiler.cache_limit_bytes <= 1 << 30
+    service = mgr.compile_service
+    assert service is not None and 0 < service.cache_limit_bytes <= 1 << 30
+    schema = _fmt(_wide_schema(200))
+    generate(limited_pipe, PROMPTS[:1], [gen_config(schema, max_new_tokens=8)])
+    kind, source, options = mgr.compile_args(schema)
+    grammar = service.lookup(kind, source, **options)
+    assert grammar is not None
+    out = generate(limited_pipe, PROMPTS[:1], [gen_config(schema, max_new_tokens=8)])[0]
+    assert out.finish_reason in ('stop', 'length')
+    assert service.lookup(kind, source, **options) is grammar
