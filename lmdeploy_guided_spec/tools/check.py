@@ -105,9 +105,9 @@ def _run_method(method: str, args, tokenizer, vocab_size: int, schema: dict, pat
         draft_grammar.mask_logits_ = counted
         return draft_grammar
 
-    def counting_verification(matchers, drafts, *rest):
+    def counting_verification(matchers, drafts, *rest, **kw):
         counts['verify'] += len(matchers) * (args.num_spec_tokens + 1)
-        return verification_bitmask(matchers, drafts, *rest)
+        return verification_bitmask(matchers, drafts, *rest, **kw)
 
     guided.begin_draft, guided.verification_bitmask = counting_begin_draft, counting_verification
 
