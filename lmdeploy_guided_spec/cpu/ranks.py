@@ -33,16 +33,38 @@ rank process appends JSON lines to ``<directory>/drafts-rank<R>-pid<P>.jsonl``:
 
 Every rank runs the same steps in the same order, so the ``i``-th record of a kind describes the same step on
 every rank.
+
+Two more things that only ``dp > 1`` exposes:
+
+- with attention data-parallel and MLP tensor-parallel (``tp=2, dp=2``: ``attn_tp`` 1, ``mlp_tp`` 2), each rank's
+  MLP gathers the tokens of every dp rank with ``gather_by_tp_sizes`` and scatters the sum back with
+  ``reduce_scatter_by_tp_sizes``. lmdeploy hands ``torch.distributed.all_gather`` outputs of *different* sizes (a
+  rank that serves a 3-token prefill beside an idle rank's 1-token dummy), which NCCL accepts and gloo rejects
+  (``ProcessGroupGloo::allgather: invalid tensor size``; its reduce-scatter takes equal sizes only, too). The
+  forward raises on both ranks of the first step a request shares with an idle rank. :func:`install` replaces both
+  with gloo equivalents (pad to the largest count, gather equal sizes; all-reduce, keep this rank's tokens);
+- an exception in a rank's forward loop (the ``ModelAgentLoop`` task) is stored in the task and never looked at:
+  the multiprocess executor does not wait for the model agent's tasks, so the rank goes idle and the request never
+  finishes (this hid the error above: both ranks sat idle in their event loops). :func:`install` prints the
+  traceback and signals the executor's process as lmdeploy does for a failed rank main loop (which stops the
+  engine); an error that says a peer process has gone (another dp engine closed first) is printed only.
+
+:func:`call_ranks` runs a function in every rank process of a pipeline's engine (a debug hook: the executor sends
+it like any command, each rank writes the result to a file); :func:`grammar_state` is the function that reports
+the grammar state a rank holds (matchers, kept drafting windows, failures, FSM sessions), for leak checks.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import sys
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-__all__ = ['install', 'install_draft_log', 'read_draft_logs', 'DRAFT_LOG_ENV']
+__all__ = ['install', 'install_draft_log', 'read_draft_logs', 'DRAFT_LOG_ENV', 'call_ranks', 'grammar_state',
+           'set_grammar_cleanup', 'gather_by_tp_sizes', 'reduce_scatter_by_tp_sizes']
 
 #: Directory for per-rank draft logs (unset: no log).
 DRAFT_LOG_ENV = 'LMDEPLOY_GUIDED_SPEC_DRAFT_LOG'
@@ -189,9 +211,185 @@ def _patch_proc_join() -> None:
     proc_class.join = join
 
 
+class _Done:
+    """The handle of a collective that has already completed (what ``async_op=True`` callers wait on)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def gather_by_tp_sizes(x, tp_sizes: list[int], group=None, async_op: bool = False):
+    """lmdeploy's ``gather_by_tp_sizes`` (all-gather of a different number of tokens per rank) over gloo.
+
+    lmdeploy hands ``torch.distributed.all_gather`` output slices of different sizes, which NCCL accepts and gloo
+    rejects (``ProcessGroupGloo::allgather: invalid tensor size``). Here every rank pads its tokens to the largest
+    count, gathers equal sizes and keeps each rank's own tokens.
+    """
+    import torch
+    import torch.distributed as dist
+    assert all(size >= 0 for size in tp_sizes), f'Invalid tp sizes: {tp_sizes}'
+    width = max(tp_sizes)
+    padded = x.new_zeros((*x.shape[:-2], width, x.shape[-1]))
+    padded[..., :x.shape[-2], :] = x
+    parts = [torch.empty_like(padded) for _ in tp_sizes]
+    dist.all_gather(parts, padded, group=group)
+    new_x = torch.cat([part[..., :size, :] for part, size in zip(parts, tp_sizes)], dim=-2)
+    if async_op:
+        return new_x, _Done()
+    return new_x
+
+
+def reduce_scatter_by_tp_sizes(out, rank: int, tp_sizes: list[int], group):
+    """lmdeploy's ``reduce_scatter_by_tp_sizes`` over gloo, whose reduce-scatter takes equal sizes only: the sum
+    over the ranks of every rank's output (an all-reduce), of which this rank keeps the tokens of its data-parallel
+    rank."""
+    import torch.distributed as dist
+    from lmdeploy.pytorch.distributed import get_dist_manager
+    attn_tp = get_dist_manager().current_config().attn_tp
+    dist.all_reduce(out, group=group)
+    return out.split(tp_sizes, -2)[rank // attn_tp]
+
+
+def _patch_dp_collectives() -> None:
+    from lmdeploy.pytorch import distributed
+    from lmdeploy.pytorch.nn.linear import base as linear_base
+
+    # the module attribute serves ``dist.gather_by_tp_sizes(...)`` callers and lazy imports (the default linear
+    # backend's row-parallel layers); nn.linear.base imported both by name
+    for module in (distributed, linear_base):
+        module.gather_by_tp_sizes = gather_by_tp_sizes
+        module.reduce_scatter_by_tp_sizes = reduce_scatter_by_tp_sizes
+
+
+#: What gloo says when a peer process of a collective has gone.
+_PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
+
+
+def _patch_loop_failures() -> None:
+    from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
+
+    start = BaseModelAgent.start
+    if getattr(start, _MARK, False):
+        return
+
+    def report(task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        import signal
+        import traceback
+        exc = task.exception()
+        if any(peer in str(exc) for peer in _PEER_GONE):
+            # a rank of another engine (dp) closed first while this one waited in a collective: shutdown, not a fault
+            print(f'lmdeploy-guided-spec: rank process {os.getpid()}: task {task.get_name()} ended: {exc}',
+                  file=sys.stderr, flush=True)
+            return
+        print(f'lmdeploy-guided-spec: rank process {os.getpid()}: task {task.get_name()} failed:\n'
+              + ''.join(traceback.format_exception(exc)), file=sys.stderr, flush=True)
+        # what ExecutorProc does when its own main loop fails: the executor's process stops the engine
+        os.kill(os.getppid(), signal.SIGUSR1)
+
+    def start_reporting(self, forward_event: asyncio.Event = None):
+        start(self, forward_event)
+        if not multiprocessing.parent_process():
+            return
+        for task in (self._background_task, self._preprocess_task):
+            task.add_done_callback(report)
+
+    setattr(start_reporting, _MARK, True)
+    BaseModelAgent.start = start_reporting
+
+
+def _rank_call(self, func, args: tuple, directory: str) -> None:
+    """``MPWorkerWrapper.guided_spec_call``: ``func(model_agent, *args)`` in this rank process, its result written
+    as JSON to ``<directory>/rank<R>.json`` (see :func:`call_ranks`)."""
+    try:
+        result = {'rank': self.rank, 'pid': os.getpid(), 'result': func(self.model_agent, *args)}
+    except Exception as exc:  # the caller reports it; the rank keeps serving
+        result = {'rank': self.rank, 'pid': os.getpid(), 'error': f'{type(exc).__name__}: {exc}'}
+    path = Path(directory) / f'rank{self.rank}.json'
+    tmp = path.with_suffix('.tmp')
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+
+
+def _patch_rank_call() -> None:
+    from lmdeploy.pytorch.engine.executor import mp_executor
+
+    mp_executor.MPWorkerWrapper.guided_spec_call = _rank_call
+
+
+def call_ranks(pipe, func, *args, timeout: float = 60.0) -> dict:
+    """``{rank: func(model_agent, *args)}`` over the ranks of a pipeline's engine, each run in its rank process.
+
+    ``func`` must be importable by the rank processes (a module-level function: it travels pickled) and return
+    something JSON can write. With lmdeploy's multiprocess executor the call is one more command in the executor's
+    ring, sent from the engine's event loop so it cannot interleave with the engine's own commands; each rank runs
+    it between the steps of its event loop. Call it while no request is in flight. With the in-process executor
+    (one rank) it runs here.
+    """
+    import tempfile
+    import time
+    executor = pipe.async_engine.engine.executor
+    if not hasattr(executor, 'collective_rpc_async'):
+        return {0: func(executor.model_agent, *args)}
+    with tempfile.TemporaryDirectory(prefix='lmdeploy-guided-spec-ranks-') as directory:
+        sent = asyncio.run_coroutine_threadsafe(
+            executor.collective_rpc_async('guided_spec_call', args=(func, tuple(args), directory), return_mask=0),
+            pipe.internal_thread.loop)
+        sent.result(timeout)
+        deadline = time.monotonic() + timeout
+        while len(list(Path(directory).glob('rank*.json'))) < executor.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'{len(list(Path(directory).glob("rank*.json")))} of {executor.world_size} '
+                                   f'ranks answered {getattr(func, "__name__", func)} in {timeout} s')
+            time.sleep(0.05)
+        answers = [json.loads(path.read_text()) for path in Path(directory).glob('rank*.json')]
+    errors = {a['rank']: a['error'] for a in answers if 'error' in a}
+    if errors:
+        raise RuntimeError(f'{getattr(func, "__name__", func)} failed on ranks {errors}')
+    return {a['rank']: a['result'] for a in sorted(answers, key=lambda a: a['rank'])}
+
+
+def grammar_state(model_agent) -> dict:
+    """The grammar state a rank holds, by kind (for :func:`call_ranks`): session ids with matchers in the
+    ``GuidedDecodingManager``, the number of kept drafting windows and the session ids with recorded failures in
+    the spec agent's ``SpecGrammarManager``, the number of FSM sessions (method ``fsm``), and which spec agent the
+    rank has (ranks with a ``BaseSpecModelAgent`` take their drafts from the broadcast and keep no grammar state)."""
+    manager = model_agent.guided_decoding_manager
+    spec = model_agent.spec_agent
+    guided_spec = getattr(spec, 'guided_spec', None)
+    fsm_sessions = getattr(spec, 'fsm_sessions', None)
+    return {
+        'spec_agent': type(spec).__name__,
+        'matchers': sorted(manager.processors) if manager is not None else [],
+        'windows': guided_spec.num_kept_windows if guided_spec is not None else 0,
+        'failures': sorted(guided_spec.failures()) if guided_spec is not None else [],
+        'fsm_sessions': len(fsm_sessions) if fsm_sessions is not None else 0,
+    }
+
+
+def set_grammar_cleanup(model_agent, enabled: bool) -> bool:
+    """Switch off (and back on) the spec agent's cleanup of finished sessions' grammar state in this rank (for
+    :func:`call_ranks`: a leak check proves that it sees a leak). Returns whether the rank has such a cleanup."""
+    spec = model_agent.spec_agent
+    if not hasattr(type(spec), '_cleanup_guided_sessions'):
+        return False
+    if enabled:
+        spec.__dict__.pop('_cleanup_guided_sessions', None)
+    else:
+        spec._cleanup_guided_sessions = lambda *args, **kwargs: None
+    return True
+
+
 def install() -> None:
     """Let lmdeploy's multiprocess executor run its ranks over gloo without deadlock (idempotent)."""
     _patch_notifier()
+    _patch_loop_failures()
+    _patch_dp_collectives()
+    _patch_rank_call()
     _patch_proc_join()
     _patch_dp_worker()
     _patch_build_executor()

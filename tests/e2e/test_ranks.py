@@ -2,10 +2,13 @@
 
 ``tp=2``: guided speculative decoding (``eagle3``, ``deepseek_mtp``, the draft-free ``grammar``) gives, greedy, the
 same tokens as guided decoding without speculation on one rank; the per-rank draft log
-(:mod:`lmdeploy_guided_spec.cpu.ranks`) shows every rank verifying the same drafts at every step.
+(:mod:`lmdeploy_guided_spec.cpu.ranks`) shows every rank verifying the same drafts at every step. After 200 mixed
+requests no rank process holds grammar state for a finished session (asked of each rank process with
+``ranks.call_ranks``), and the same check sees the state left behind when the cleanup is switched off.
 
 ``dp=2`` (two engines, one rank each, MLP tensor-parallel across them): one rank idle while the other serves guided
-and unguided requests; the idle rank runs lmdeploy's dummy forwards.
+and unguided requests, without speculation and with ``eagle3``, ``deepseek_mtp`` and ``grammar``; the idle rank runs
+lmdeploy's dummy forwards, and greedy output equals one rank's guided decoding without speculation.
 
 Each test starts its engines itself (their ranks are processes of their own) and closes them; the start-up time is
 printed (``-s``).
@@ -31,8 +34,9 @@ METHODS = {'eagle3': ('tiny-llama', 'tiny-llama-eagle3'), 'deepseek_mtp': ('tiny
 
 
 def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method: str | None = None,
-              draft: str | None = None, env: dict | None = None):
-    """A pipeline whose engine runs its ranks in processes of lmdeploy's multiprocess executor."""
+              draft: str | None = None, env: dict | None = None, **engine_options):
+    """A pipeline whose engine runs its ranks in processes of lmdeploy's multiprocess executor; ``engine_options``
+    are ``PytorchEngineConfig`` fields beyond ``ENGINE_KWARGS``."""
     from lmdeploy import PytorchEngineConfig, pipeline
     from lmdeploy.messages import SpeculativeConfig
 
@@ -41,7 +45,8 @@ def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method
     if method is not None:
         spec = SpeculativeConfig(method=method, model=models.resolve(draft) if draft else '',
                                  num_speculative_tokens=NUM_SPEC_TOKENS)
-    config = PytorchEngineConfig(tp=tp, dp=dp, dp_rank=dp_rank, distributed_executor_backend='mp', **ENGINE_KWARGS)
+    config = PytorchEngineConfig(tp=tp, dp=dp, dp_rank=dp_rank, distributed_executor_backend='mp',
+                                 **{**ENGINE_KWARGS, **engine_options})
     # the rank processes inherit this process's environment when they start
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
@@ -96,6 +101,119 @@ def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     print(f'[tp=2 {method}] {steps} speculative steps, drafts identical on both ranks')
 
 
+def _collectives_rank(rank: int, port: int, results) -> None:
+    """One of two gloo ranks: the CPU path's uneven gather and reduce-scatter against what NCCL would give."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from lmdeploy.pytorch import distributed
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    dist.init_process_group('gloo', rank=rank, world_size=2)
+    try:
+        sizes = [3, 1]  # a 3-token prefill on dp rank 0 beside a 1-token dummy on dp rank 1
+        gen = torch.Generator().manual_seed(0)
+        tokens = [torch.randn(1, n, 8, generator=gen) for n in sizes]
+        gathered, handle = ranks.gather_by_tp_sizes(tokens[rank], sizes, async_op=True)
+        handle.wait()
+        outs = [torch.randn(1, sum(sizes), 8, generator=gen) for _ in sizes]
+        with mock.patch.object(distributed, 'get_dist_manager') as manager:
+            manager.return_value.current_config.return_value.attn_tp = 1
+            scattered = ranks.reduce_scatter_by_tp_sizes(outs[rank].clone(), rank, sizes, None)
+        results.put((rank, torch.equal(gathered, torch.cat(tokens, -2)),
+                     torch.allclose(scattered, (outs[0] + outs[1]).split(sizes, -2)[rank])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_collectives_of_uneven_sizes():
+    """lmdeploy's MLP under ``dp > 1`` gathers and reduce-scatters different token counts per rank, which gloo's
+    own collectives reject; the CPU path's replacements give what NCCL's would."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('spawn')
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_collectives_rank, args=(rank, port, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(results.get(timeout=5) for _ in procs) == [(0, True, True), (1, True, True)]
+
+
+def _settled_grammar_state(pipe, attempts: int = 3) -> dict[int, dict]:
+    """Every rank's grammar state once finished sessions have been cleaned up.
+
+    lmdeploy drops a finished session's grammar state in the next step (its id rides in the ``session_to_cleanup``
+    of the next batch's sampling inputs), so a short unguided request follows the traffic; a few times, since the
+    pipeline ends sessions asynchronously after their last output."""
+    state = {}
+    for _ in range(attempts):
+        generate(pipe, ['Hi.'], [gen_config(None, max_new_tokens=2)])
+        state = ranks.call_ranks(pipe, ranks.grammar_state)
+        if not any(_held(s) for s in state.values()):
+            break
+    return state
+
+
+def _held(state: dict) -> bool:
+    return bool(state['matchers'] or state['windows'] or state['failures'] or state['fsm_sessions'])
+
+
+def _traffic(n: int) -> tuple[list[str], list]:
+    """``n`` requests cycling through json_schema (two schemas), regex, json_object and unguided, greedy and
+    sampling."""
+    kinds = [response_format('json_schema'), response_format('regex_schema'), None,
+             response_format('json_schema', schema=ITEM), response_format('json_object'), None]
+    prompts, configs = [], []
+    for i in range(n):
+        fmt = kinds[i % len(kinds)]
+        prompts.append(f'Request {i}: answer briefly.')
+        configs.append(gen_config(fmt, sampling=i % 4 == 1, seed=i, max_new_tokens=4))
+    return prompts, configs
+
+
+def test_tp2_no_grammar_state_left(cpu_path):
+    """tp=2 (eagle3): after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers,
+    kept drafting windows, failures or FSM sessions for a finished session. The check sees a leak: with the
+    cleanup switched off in the rank processes, a few more guided requests leave state behind."""
+    target, draft = METHODS['eagle3']
+    start = time.perf_counter()
+    # a batch of 64 keeps 200 requests short
+    pipe = _pipeline(target, tp=2, method='eagle3', draft=draft, max_batch_size=64)
+    print(f'\n[tp=2 leaks] engine start-up {time.perf_counter() - start:.1f} s')
+    try:
+        prompts, configs = _traffic(200)
+        start = time.perf_counter()
+        outputs = generate(pipe, prompts, configs)
+        print(f'[tp=2 leaks] 200 requests in {time.perf_counter() - start:.1f} s')
+        for out, config in zip(outputs, configs):
+            assert out.finish_reason in ('stop', 'length'), out
+            if config.response_format is not None and out.finish_reason == 'stop':
+                check_valid(out.text, config.response_format)
+        assert sum(config.response_format is not None for config in configs) >= 130
+        state = _settled_grammar_state(pipe)
+        assert sorted(state) == [0, 1], state
+        assert state[0]['spec_agent'] == 'SpecModelAgent', state
+        for rank, held in state.items():
+            assert not _held(held), f'rank {rank} holds grammar state after every session finished: {held}'
+        print(f'[tp=2 leaks] after 200 requests: {state}')
+
+        # the same check sees a leak
+        assert ranks.call_ranks(pipe, ranks.set_grammar_cleanup, False)[0]
+        try:
+            prompts, configs = _traffic(12)
+            generate(pipe, prompts, configs)
+            leaked = _settled_grammar_state(pipe, attempts=1)
+        finally:
+            ranks.call_ranks(pipe, ranks.set_grammar_cleanup, True)
+        assert len(leaked[0]['matchers']) >= 6 and leaked[0]['windows'] >= 6, leaked
+        print(f'[tp=2 leaks] with the cleanup off, 12 more requests leave: {leaked}')
+    finally:
+        pipe.close()
+
+
 # the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: serves nothing until stdin closes
 _IDLE_RANK = """
 import sys
@@ -114,12 +232,14 @@ pipe.close()
 class DPEngines:
     """The two engines of ``tp=2, dp=2`` (attention data-parallel, MLP tensor-parallel over both ranks): dp rank 1
     in a child process, dp rank 0 here. Their ranks meet in one gloo process group at start-up, so both start
-    together."""
+    together. ``env`` goes to both (their rank processes inherit it)."""
 
-    def __init__(self, target: str, method: str | None, draft: str | None):
+    def __init__(self, target: str, method: str | None, draft: str | None, env: dict | None = None):
         import subprocess
         import sys
-        env = {'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
+        import threading
+        env = {**(env or {}), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
+        saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
             self.idle = subprocess.Popen([sys.executable, '-c', _IDLE_RANK, os.path.dirname(__file__), target,
@@ -131,9 +251,21 @@ class DPEngines:
                 self.idle.kill()
                 raise
         finally:
-            for k in env:
-                os.environ.pop(k, None)
-        assert self.idle.stdout.readline().strip() == 'ready'
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        lines = []
+        for line in self.idle.stdout:
+            if line.strip() == 'ready':
+                break
+            lines.append(line)
+        else:
+            raise RuntimeError(f'the engine of dp rank 1 did not start: {"".join(lines)}')
+        # keep its output flowing (a full pipe would block the process that writes it)
+        self._drain = threading.Thread(target=lambda: [None for _ in self.idle.stdout], daemon=True)
+        self._drain.start()
 
     def close(self) -> None:
         """Close both engines together: a rank waits in a collective for its peer until the peer is gone."""
@@ -142,26 +274,35 @@ class DPEngines:
         assert self.idle.wait(timeout=120) == 0
 
 
-@pytest.mark.skip(reason='dp=2 on the CPU path: both engines start and their ranks run the dummy-forward loop '
-                         'over one gloo group, but the first request on dp rank 0 has not finished in 10 minutes '
-                         '(both ranks idle in their event loops, not blocked in a collective); not diagnosed yet')
-@pytest.mark.parametrize('method', [None, 'eagle3'], ids=['no-spec', 'eagle3'])
-def test_dp2_idle_rank(cpu_path, method):
+@pytest.mark.parametrize('method', [None, 'eagle3', 'deepseek_mtp', 'grammar'],
+                         ids=['no-spec', 'eagle3', 'deepseek_mtp', 'grammar'])
+def test_dp2_idle_rank(engines, method, tmp_path):
     """dp rank 1 gets no request (its engine runs lmdeploy's dummy forwards) while dp rank 0 serves guided and
-    unguided requests, twice: everything finishes, guided output validates."""
+    unguided requests, twice: everything finishes, guided output validates, and greedy output equals guided decoding
+    without speculation on one rank. With speculation the draft log shows dp rank 1 running dummy steps only."""
     target, draft = METHODS.get(method, ('tiny-llama', None))
+    formats = [response_format('json_schema'), None, response_format('regex_schema'),
+               response_format('json_schema', schema=ITEM)]
+    configs = [gen_config(f, max_new_tokens=48) for f in formats]
+    prompts = ['Describe a person as JSON.', 'Hello!', 'Write an order code.', 'One order line, please.']
+    reference = generate(engines(target, spec=False), prompts, configs)
     start = time.perf_counter()
-    engines = DPEngines(target, method, draft)
+    dp = DPEngines(target, method, draft, env={ranks.DRAFT_LOG_ENV: str(tmp_path)})
     print(f'\n[dp=2 {method}] engines start-up {time.perf_counter() - start:.1f} s')
     try:
-        formats = [response_format('json_schema'), None, response_format('regex_schema'), None]
-        configs = [gen_config(f, max_new_tokens=48) for f in formats]
-        prompts = ['Describe a person as JSON.', 'Hello!', 'Write an order code.', 'Tell me a story.']
         for _ in range(2):
-            outputs = generate(engines.pipe, prompts, configs)
-            for out, fmt in zip(outputs, formats):
+            outputs = generate(dp.pipe, prompts, configs)
+            for out, ref, fmt in zip(outputs, reference, formats):
                 assert out.finish_reason in ('stop', 'length'), out
+                assert out.token_ids == ref.token_ids, (out.text, ref.text)
                 if fmt is not None and out.finish_reason == 'stop':
                     check_valid(out.text, fmt)
     finally:
-        engines.close()
+        dp.close()
+    if method is not None:
+        logs = ranks.read_draft_logs(tmp_path)
+        drafts = {r: [rec for rec in recs if rec['kind'] == 'draft'] for r, recs in logs.items()}
+        assert drafts.get(1) and all(rec['dummy'] for rec in drafts[1]), 'dp rank 1 ran other than dummy steps'
+        assert any(not rec['dummy'] for rec in drafts.get(0, [])), 'dp rank 0 ran no speculative step'
+        print(f'[dp=2 {method}] dp rank 0: {sum(not rec["dummy"] for rec in drafts[0])} speculative steps; '
+              f'dp rank 1: {len(drafts[1])} dummy steps')
