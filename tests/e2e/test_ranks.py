@@ -274,8 +274,9 @@ class DPEngines:
         assert self.idle.wait(timeout=120) == 0
 
 
-@pytest.mark.parametrize('method', [None, 'eagle3', 'deepseek_mtp', 'grammar'],
-                         ids=['no-spec', 'eagle3', 'deepseek_mtp', 'grammar'])
+# a draft-model method and the draft-free one: each dp=2 start costs minutes on two cores, and deepseek_mtp and
+# no speculation take the same paths through the dummy forwards as eagle3 (they passed when last run by hand)
+@pytest.mark.parametrize('method', ['eagle3', 'grammar'])
 def test_dp2_idle_rank(engines, method, tmp_path):
     """dp rank 1 gets no request (its engine runs lmdeploy's dummy forwards) while dp rank 0 serves guided and
     unguided requests, twice: everything finishes, guided output validates, and greedy output equals guided decoding
