@@ -15,6 +15,7 @@ printed (``-s``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -48,10 +49,17 @@ def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method
     config = PytorchEngineConfig(tp=tp, dp=dp, dp_rank=dp_rank, distributed_executor_backend='mp',
                                  **{**ENGINE_KWARGS, **engine_options})
     # the rank processes inherit this process's environment when they start
+    with _environ(env):
+        return pipeline(models.resolve(target), backend_config=config, speculative_config=spec, log_level='ERROR')
+
+
+@contextlib.contextmanager
+def _environ(env: dict | None):
+    """``env`` set in this process's environment while the block runs, the previous values restored after."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        return pipeline(models.resolve(target), backend_config=config, speculative_config=spec, log_level='ERROR')
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -239,9 +247,7 @@ class DPEngines:
         import sys
         import threading
         env = {**(env or {}), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _environ(env):
             self.idle = subprocess.Popen([sys.executable, '-c', _IDLE_RANK, os.path.dirname(__file__), target,
                                           method or '', draft or ''], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
@@ -250,12 +256,6 @@ class DPEngines:
             except BaseException:
                 self.idle.kill()
                 raise
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         lines = []
         for line in self.idle.stdout:
             if line.strip() == 'ready':
