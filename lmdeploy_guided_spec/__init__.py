@@ -33,6 +33,7 @@ _EXPORTS = {
     'forced_token': 'forced',
     'forced_drafts': 'forced',
     'Fsm': 'fsm',
+    'FsmBuilder': 'fsm',
     'FsmMatcher': 'fsm',
     'FsmSessions': 'fsm',
 }
