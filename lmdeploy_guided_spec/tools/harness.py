@@ -165,7 +165,9 @@ class SpecHarness:
     draft_id_to_target_id : LongTensor, optional
         Absolute target id of every draft id (``eagle3`` only).
     spec_model : str, default: 'scripted'
-        The speculative model path of the config: the FSM file for ``fsm``.
+        The speculative model path of the config.
+    fsm_path : str, optional
+        The FSM file of method ``fsm``.
     on_step : callable, optional
         Called with every :class:`StepRecord` (progress output of the check command).
     """
@@ -173,7 +175,7 @@ class SpecHarness:
     def __init__(self, tokenizer, vocab_size: int, target: PrefixModel, draft: PrefixModel | None, *,
                  method: str = 'deepseek_mtp', num_spec_tokens: int = 3,
                  draft_id_to_target_id: torch.Tensor | None = None, spec_model: str = 'scripted',
-                 on_step: Callable[[StepRecord], None] | None = None):
+                 fsm_path: str | None = None, on_step: Callable[[StepRecord], None] | None = None):
         from lmdeploy.pytorch.config import BackendConfig, MiscConfig, ModelConfig, SpecDecodeConfig
         from lmdeploy.pytorch.distributed import DistContext
         from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
@@ -195,7 +197,7 @@ class SpecHarness:
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
         model_config = ModelConfig.from_hf_config(hf_config, model_path='scripted')
         spec_config = SpecDecodeConfig(model=spec_model, method=method, num_speculative_tokens=num_spec_tokens,
-                                       model_config=model_config)
+                                       model_config=model_config, fsm_path=fsm_path)
         misc_config = MiscConfig()
         factory = build_strategy_factory(model_config, misc_config, specdecode_config=spec_config)
         self.guided_decoding_manager = GuidedDecodingManager(tokenizer, vocab_size)

@@ -167,7 +167,7 @@ def test_fsm_method_follows_the_fsm(tmp_path, answer):
     target = PrefixLM(V, path, bias=9.0, seed=5)
     formats = [None, _json_schema(SCHEMAS['person'], 'single')]
     spec = _requests(formats, 24)
-    h = SpecHarness(_tok(), V, target, None, method='fsm', num_spec_tokens=4, spec_model=str(path_file))
+    h = SpecHarness(_tok(), V, target, None, method='fsm', num_spec_tokens=4, fsm_path=str(path_file))
     h.generate(spec)
     assert spec[0].tokens == _fsm_reference(target, fsm, 24) == path
     ref = _requests(formats, 24)[1:]
@@ -189,7 +189,7 @@ def test_fsm_wildcard_lets_the_target_choose(tmp_path):
     path_file = tmp_path / 'answer_fsm.json'
     path_file.write_text(json.dumps(fsm_dict))
     spec = _requests([None], 12)
-    SpecHarness(_tok(), V, target, None, method='fsm', num_spec_tokens=3, spec_model=str(path_file)).generate(spec)
+    SpecHarness(_tok(), V, target, None, method='fsm', num_spec_tokens=3, fsm_path=str(path_file)).generate(spec)
     assert spec[0].tokens == _fsm_reference(target, fsm, 12)
     m = fsm.matcher()
     assert all(m.accept_token(t) for t in spec[0].tokens)
@@ -216,7 +216,7 @@ def test_fsm_token_ids_are_checked_against_the_model_vocabulary(tmp_path):
     from lmdeploy.messages import SpeculativeConfig
     SpeculativeConfig(method='fsm', model=str(path), num_speculative_tokens=2)  # structure only: fine
     with pytest.raises(FsmError, match=f'token id {V} is outside the vocabulary \\[0, {V}\\) of the model'):
-        SpecHarness(_tok(), V, PrefixLM(V), None, method='fsm', num_spec_tokens=2, spec_model=str(path))
+        SpecHarness(_tok(), V, PrefixLM(V), None, method='fsm', num_spec_tokens=2, fsm_path=str(path))
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
@@ -228,15 +228,58 @@ def test_speculative_config_and_cli_accept_the_methods(tmp_path):
         SpeculativeConfig(method='grammar', model='/models/draft', num_speculative_tokens=8)
     with pytest.raises(ValueError, match='num_speculative_tokens must be at least 1'):
         SpeculativeConfig(method='grammar', num_speculative_tokens=0)
-    with pytest.raises(ValueError, match='takes the path of an FSM JSON file'):
+    with pytest.raises(ValueError, match='takes the path of an FSM JSON file as fsm_path'):
         SpeculativeConfig(method='fsm', num_speculative_tokens=2)
     with pytest.raises(FsmError, match='does not exist'):
-        SpeculativeConfig(method='fsm', model=str(tmp_path / 'missing.json'), num_speculative_tokens=2)
+        SpeculativeConfig(method='fsm', fsm_path=str(tmp_path / 'missing.json'), num_speculative_tokens=2)
     parser = argparse.ArgumentParser()
     ArgumentHelper.add_spec_group(parser)
     for method in ('grammar', 'fsm'):
         args = parser.parse_args(['--speculative-algorithm', method, '--speculative-num-draft-tokens', '8'])
         assert args.speculative_algorithm == method
+
+
+def test_fsm_path_is_the_fsm_option(tmp_path):
+    """vLLM's ``fsm_path``, in SpeculativeConfig and as --speculative-fsm-path; ``model`` still names the file
+    for compatibility, and the config carries no draft model either way."""
+    from lmdeploy.cli.utils import ArgumentHelper, get_speculative_config
+    from lmdeploy.messages import SpeculativeConfig
+    path = tmp_path / 'fsm.json'
+    path.write_text(json.dumps({'0': {'5': 1}}))
+    config = SpeculativeConfig(method='fsm', fsm_path=str(path), num_speculative_tokens=3)
+    assert config.fsm_path == str(path) and not config.model
+    legacy = SpeculativeConfig(method='fsm', model=str(path), num_speculative_tokens=3)
+    assert legacy.fsm_path == str(path) and not legacy.model, 'model is read as fsm_path'
+    with pytest.raises(ValueError, match='give the FSM file as fsm_path only'):
+        SpeculativeConfig(method='fsm', model=str(path), fsm_path=str(path), num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="fsm_path applies to speculative method fsm only, not 'eagle3'"):
+        SpeculativeConfig(method='eagle3', model='/models/draft', fsm_path=str(path), num_speculative_tokens=3)
+    bad = tmp_path / 'bad.json'
+    bad.write_text('{"0": {"x": 1}}')
+    with pytest.raises(FsmError, match=f"FSM file {bad}: state 0: token id 'x' is not an integer"):
+        SpeculativeConfig(method='fsm', fsm_path=str(bad), num_speculative_tokens=3)
+    parser = argparse.ArgumentParser()
+    ArgumentHelper.add_spec_group(parser)
+    args = parser.parse_args(['--speculative-algorithm', 'fsm', '--speculative-fsm-path', str(path),
+                              '--speculative-num-draft-tokens', '4'])
+    spec = get_speculative_config(args)
+    assert (spec.method, spec.fsm_path, spec.model, spec.num_speculative_tokens) == ('fsm', str(path), '', 4)
+    args = parser.parse_args(['--speculative-algorithm', 'fsm', '--speculative-draft-model', str(path)])
+    assert get_speculative_config(args).fsm_path == str(path)
+
+
+def test_fsm_path_reaches_the_proposer_without_a_draft_model(tmp_path):
+    """The engine's SpecDecodeConfig keeps the target as its model (nothing to load) and the FSM as fsm_path."""
+    from lmdeploy.pytorch.config import CacheConfig, SpecDecodeConfig
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, architectures=['LlamaForCausalLM']).save_pretrained(tmp_path)
+    path = tmp_path / 'fsm.json'
+    path.write_text(json.dumps({'0': {'5': 1}}))
+    cache = CacheConfig(max_batches=4, block_size=64, num_cpu_blocks=0, num_gpu_blocks=0)
+    spec = SpecDecodeConfig.from_config(method='fsm', num_speculative_tokens=4, model='', fsm_path=str(path),
+                                        target_cache_cfg=cache, target_model=str(tmp_path))
+    assert spec.fsm_path == str(path) and spec.model == str(tmp_path) and spec.cache_config is None
 
 
 @pytest.mark.parametrize('family', ['llama', 'deepseek_v3'])
