@@ -292,8 +292,11 @@ class FsmBuilder:
         if not token_ids:
             raise FsmError(f'a chain from state {state} has no token ids')
         for i, token in enumerate(token_ids):
-            last = i == len(token_ids) - 1
-            target = end if last and end is not None else self.new_state()
+            if i == len(token_ids) - 1 and end is not None:
+                target = int(end)
+            else:
+                # a state of its own, also when end is not in the graph yet
+                target = max(self.new_state(), -1 if end is None else int(end) + 1)
             self.add(state, token, target)
             state = target
         return state

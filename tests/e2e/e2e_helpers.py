@@ -158,7 +158,7 @@ def draft_free_pipeline(engines: Engines, target: str, method: str, k: int, fsm_
         from lmdeploy.messages import SpeculativeConfig
 
         from lmdeploy_guided_spec.cpu import models
-        spec = SpeculativeConfig(method=method, model=fsm_path or '', num_speculative_tokens=k)
+        spec = SpeculativeConfig(method=method, fsm_path=fsm_path, num_speculative_tokens=k)
         pipes[key] = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
                               speculative_config=spec, log_level='ERROR')
     return pipes[key]

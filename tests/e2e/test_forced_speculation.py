@@ -2,7 +2,8 @@
 
 Greedy output must equal lmdeploy's guided decoding without speculation (grammar), or not depend on the number of
 draft tokens (fsm, which has no non-speculative counterpart in lmdeploy); every output must keep to its grammar or
-FSM; the grammar forces part of the JSON, so steps commit more than one token.
+FSM; the grammar forces part of the JSON, so steps commit more than one token. vLLM's FSM example, in the file
+vLLM writes, runs through both with ``fsm_path``.
 """
 import json
 import os
@@ -61,6 +62,26 @@ def _answer_fsm(tokenizer) -> dict:
     graph = {0: {t['Answer']: 1}, 1: {t[':']: 2}, 2: {t[' yes']: 3, t[' no']: 4}, 3: {eos: 9}, 4: {t[',']: 5},
              5: {t[' because']: 6}, 6: {-1: 6, t['.']: 7}, 7: {eos: 9}, 9: {}}
     return {str(s): {str(tok): nxt for tok, nxt in edges.items()} for s, edges in graph.items()}
+
+
+def _vllm_example(tokenizer) -> tuple[dict, set[str]]:
+    """vLLM's FSM example as ``CustomFSM.graph`` (states 5 and 6, after EOS, are not in it), and its two texts."""
+    hello, world, test, example = (tokenizer.encode(p, add_special_tokens=False)[0]
+                                   for p in ('hello', ' world', ' test', ' example'))
+    eos = tokenizer.eos_token_id
+    graph = {0: {hello: 1}, 1: {world: 2}, 2: {test: 3, example: 4}, 3: {eos: 5}, 4: {eos: 6}}
+    return graph, {'hello world test', 'hello world example'}
+
+
+@pytest.fixture(scope='module')
+def vllm_example(cpu_path, tmp_path_factory):
+    """The path of vLLM's example FSM, written as ``CustomFSM.save`` writes it, and its two texts."""
+    from lmdeploy_guided_spec import testing
+    graph, texts = _vllm_example(testing.load_tokenizer('llama3'))
+    path = tmp_path_factory.mktemp('fsm') / 'vllm_fsm.json'
+    with open(path, 'w') as f:
+        json.dump(graph, f)
+    return path, texts
 
 
 @pytest.fixture(scope='module')
@@ -123,6 +144,27 @@ def test_fsm_pipeline_keeps_to_the_fsm(cpu_path, engines, fsm_file):
     assert tok.decode(five[0].token_ids[:2]) == 'Answer:'
 
 
+def test_vllm_example_through_the_pipeline(cpu_path, engines, vllm_example):
+    """vLLM's example: the FSM writes "hello world", the model picks " test" or " example", EOS ends it; greedy
+    and sampling; "hello" and " world" are drafted and accepted."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.messages import SpeculativeConfig
+
+    from lmdeploy_guided_spec.cpu import models
+    path, texts = vllm_example
+    pipe = draft_free_pipeline(engines, 'tiny-llama', 'fsm', 3, str(path))
+    commits = _record_commits(pipe)
+    configs = [gen_config(None, max_new_tokens=10), gen_config(None, max_new_tokens=10, sampling=True, seed=1)]
+    outputs = generate(pipe, ['Generate text:', PROMPTS[1]], configs) + stream(pipe, ['Generate text:'], configs[:1])
+    for out in outputs:
+        assert out.text in texts and out.finish_reason == 'stop' and len(out.token_ids) == 3, out
+    assert max(commits) >= 2, "' world' is drafted and accepted, with the branch as the bonus token"
+    with pytest.raises(ValueError, match='give the FSM file as fsm_path only'):
+        pipeline(models.resolve('tiny-llama'), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
+                 speculative_config=SpeculativeConfig(method='fsm', model=str(path), fsm_path=str(path),
+                                                      num_speculative_tokens=3))
+
+
 # -- api_server ----------------------------------------------------------------------------------------------------
 def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
     client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=120, max_retries=0)
@@ -135,10 +177,13 @@ def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
 
 
 @pytest.mark.parametrize('method', ['grammar', 'fsm'])
-def test_api_server(cpu_path, fsm_file, tmp_path, method):
+def test_api_server(cpu_path, vllm_example, tmp_path, method):
+    """Requests with a response_format follow it; with method fsm (vLLM's example as --speculative-fsm-path) the
+    others follow the FSM, through chat and completions."""
+    path, texts = vllm_example
     args = ['--speculative-algorithm', method, '--speculative-num-draft-tokens', '4']
     if method == 'fsm':
-        args += ['--speculative-draft-model', str(fsm_file)]
+        args += ['--speculative-fsm-path', str(path)]
     proc, base = start_server(args, tmp_path / 'server.log')
     try:
         text, reason = _chat(base, SINGLE)
@@ -151,7 +196,11 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
             _chat(base, {'type': 'json_object', 'whitespace': 'none'})
         text, reason = _chat(base, None, prompt='Will it rain tomorrow?', max_tokens=16)
         if method == 'fsm':
-            assert text.startswith('Answer:'), text
+            assert text in texts and reason == 'stop', (text, reason)
+            client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=120, max_retries=0)
+            choice = client.completions.create(model=client.models.list().data[0].id, prompt='Generate text:',
+                                               max_tokens=10, temperature=0).choices[0]
+            assert choice.text in texts and choice.finish_reason == 'stop', choice
         assert proc.poll() is None
     finally:
         stop_server(proc)
@@ -161,10 +210,9 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
 # found while the speculative config is built (the structure of the file) or while the engine builds the proposer
 # (token ids against the model's vocabulary)
 BAD_FSMS = {
-    'unknown state': ({'0': {'5': 1}, '1': {'6': 7}}, 'state 1: token 6 leads to unknown state 7'),
+    'negative next state': ({'0': {'5': 1}, '1': {'6': -7}}, 'state 1: next state -7 of token 6 is negative'),
     'bad token id': ({'0': {'999999': 0}}, r'state 0: token id 999999 is outside the vocabulary \[0, 128256\)'),
-    'unreachable states': ({'0': {'5': 0}, '3': {'6': 4}, '4': {'7': 3}},
-                           r'2 state\(s\) cannot be reached from the start state 0: 3, 4'),
+    'not an integer': ({'0': {'5': 'one'}}, "state 0: next state of token 5 'one' is not an integer"),
     'missing start state': ({'1': {'5': 1}}, 'there is no start state 0; generation starts there'),
 }
 
@@ -204,7 +252,7 @@ def test_api_server_refuses_to_start_with_a_bad_fsm_file(cpu_path, tmp_path, kin
     path, message = _write_bad_fsm(tmp_path, kind)
     log = tmp_path / 'server.log'
     proc, _ = spawn_server(['--speculative-algorithm', 'fsm', '--speculative-num-draft-tokens', '3',
-                      '--speculative-draft-model', str(path)], log)
+                            '--speculative-fsm-path', str(path)], log)
     try:
         proc.wait(timeout=STARTUP_S)
     except subprocess.TimeoutExpired:

@@ -195,6 +195,21 @@ def test_fsm_wildcard_lets_the_target_choose(tmp_path):
     assert all(m.accept_token(t) for t in spec[0].tokens)
 
 
+def test_fsm_free_text_ends_at_eos(tmp_path):
+    """vLLM's "free text until the model stops": 'Answer' then the wildcard, whose state the graph leaves out after
+    EOS. The wildcard allows EOS, so the request stops where the target writes it."""
+    tok = _tok()
+    answer = tok.encode('Answer', add_special_tokens=False)[0]
+    path_file = tmp_path / 'free_fsm.json'
+    with open(path_file, 'w') as f:
+        json.dump({0: {answer: 1}, 1: {-1: 1}}, f)
+    path = _path('Answer: it rains.')
+    spec = _requests([None], 24)
+    SpecHarness(tok, V, PrefixLM(V, path, bias=9.0, seed=5), None, method='fsm', num_spec_tokens=3,
+                fsm_path=str(path_file)).generate(spec)
+    assert spec[0].tokens == path, 'EOS through the wildcard ends the request'
+
+
 @pytest.mark.parametrize('content,message', [
     ('{"0": {"10": -7}}', 'state 0: next state -7 of token 10 is negative'),
     ('{"3": {}}', 'there is no start state 0'),

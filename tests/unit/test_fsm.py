@@ -259,8 +259,10 @@ def test_builder_chains_new_states_and_validates(tmp_path):
     end = b.chain(0, [10, 11, 12])
     assert end == 3 and b.graph == {0: {10: 1}, 1: {11: 2}, 2: {12: 3}}
     b.add(end, -1, end)
-    assert b.chain(end, [13, EOS], end=9) == 9 and b.graph[4] == {EOS: 9}
-    assert b.new_state() == 10
+    assert b.chain(end, [13, EOS], end=9) == 9 and b.graph[3][13] == 10 and b.graph[10] == {EOS: 9}
+    assert b.new_state() == 11
+    assert b.chain(0, [14, 15], end=12) == 12 and b.graph[0][14] == 13 and b.graph[13] == {15: 12}, \
+        'the new state in between is not the end state'
     m = b.build(vocab_size=V, stop_token_ids=[EOS]).matcher()
     assert all(m.accept_token(t) for t in (10, 11, 12, 500, 13, EOS)) and m.is_terminated()
     b.graph[0]['x'] = 1
