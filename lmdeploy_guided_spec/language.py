@@ -9,15 +9,27 @@ rules derive a finite string (the classic productive-symbols fixpoint), in milli
 
 The analysis errs on one side only: it says "empty" only when no rule path can end. Constructs it does not
 understand make it answer "not empty".
+
+Answers are cached by the grammar's text (a request is checked more than once on its way to the engine, and the
+analysis is Python: about 3 s for the 1.7 MB grammar of an 8000-property schema).
 """
 from __future__ import annotations
 
+import hashlib
 import re
+import threading
+from collections import OrderedDict
 
 __all__ = ['language_is_empty']
 
 _IDENT = re.compile(r'[A-Za-z_][A-Za-z0-9_.\-]*')
 _REPEAT = re.compile(r'\{\s*(\d+)\s*(?:,\s*(-?\d+)\s*)?\}')
+
+
+#: Answers kept by :func:`language_is_empty` (keyed by a digest of the grammar text).
+CACHE_SIZE = 1024
+_cache: OrderedDict = OrderedDict()
+_cache_lock = threading.Lock()
 
 
 class _Unsupported(ValueError):
@@ -195,8 +207,23 @@ def language_is_empty(grammar, root: str = 'root') -> bool:
         (a worklist: a rule is looked at again when a rule it refers to becomes productive)
         return root not in productive
     """
+    text = str(grammar)
+    key = (hashlib.blake2b(text.encode(), digest_size=16).digest(), root)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    empty = _language_is_empty(text, root)
+    with _cache_lock:
+        _cache[key] = empty
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return empty
+
+
+def _language_is_empty(text: str, root: str) -> bool:
     try:
-        rules = _rules(str(grammar))
+        rules = _rules(text)
     except _Unsupported:
         return False
     if root not in rules:

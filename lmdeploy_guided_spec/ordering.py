@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ['Ready', 'record_ready', 'host_lists', 'to_device']
+__all__ = ['Ready', 'record_ready', 'host_lists', 'to_device', 'PromptIds']
 
 
 class Ready(Protocol):
@@ -50,6 +50,38 @@ def host_lists(token_ids, ready: Ready | None = None) -> list:
     if isinstance(token_ids, torch.Tensor):
         return token_ids.tolist()
     return [list(r) if isinstance(r, (list, tuple)) else r for r in token_ids]
+
+
+class PromptIds(Sequence):
+    """The prompt token ids of each row of a prefill, read on the thread that uses them.
+
+    ``input_ids`` holds the rows' tokens one after the other (lmdeploy's ``(1, total)`` prefill layout) and
+    ``seq_length`` the number of tokens per row, both possibly on a device. Construct it on the thread that launched
+    their copies (it records ``ready`` there, :func:`record_ready`); the first ``len()`` or row read waits for it,
+    so the engine thread never waits for a device-to-host copy.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, seq_length: torch.Tensor, ready: Ready | None = None):
+        self._input_ids = input_ids
+        self._seq_length = seq_length
+        self._ready = ready if ready is not None else record_ready(input_ids)
+        self._rows: list[list[int]] | None = None
+
+    def _load(self) -> list[list[int]]:
+        if self._rows is None:
+            flat = host_lists(self._input_ids.reshape(-1), self._ready)
+            rows, start = [], 0
+            for length in host_lists(self._seq_length.reshape(-1)):
+                rows.append(flat[start:start + length])
+                start += length
+            self._rows = rows
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __getitem__(self, row):
+        return self._load()[row]
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -17,6 +17,7 @@ from e2e_helpers import (
     gen_config,
     generate,
     manager,
+    model_agent,
     response_format,
 )
 
@@ -123,3 +124,58 @@ def test_schema_without_instances_fails_alone(engines, method):
     assert outputs[0].finish_reason == 'error' and 'admits no instance' in outputs[0].text, outputs[0]
     assert outputs[1].finish_reason == 'stop'
     check_valid(outputs[1].text, good)
+
+
+@pytest.fixture
+def corrupt_digit_commits(monkeypatch):
+    """Make commits of the grammar worker hand a digits-only grammar the token ``a``, which it rejects: a stand-in
+    for any fault that gets a disallowed token to the commit (a stale device read, a kernel that ignored the mask).
+    Rows whose matcher accepts ``a`` keep their tokens."""
+    from lmdeploy_guided_spec import manager as manager_module
+    from lmdeploy_guided_spec.ordering import host_lists
+    real_commit = manager_module.commit
+    state = {'token': None, 'corrupted': 0}
+
+    def commit(matchers, token_ids, **kwargs):
+        bad = state['token']
+        ids = host_lists(token_ids, kwargs.pop('ready', None))
+        for row, matcher in matchers.items():
+            row_ids = ids[row] if isinstance(ids[row], list) else [ids[row]]
+            fork = matcher.fork()
+            if bad is not None and row_ids[0] >= 0 and not fork.is_terminated() and not fork.accept_token(bad):
+                ids[row] = [bad, *row_ids[1:]] if isinstance(ids[row], list) else bad
+                state['corrupted'] += 1
+        return real_commit(matchers, ids, **kwargs)
+
+    monkeypatch.setattr(manager_module, 'commit', commit)
+    return state
+
+
+@pytest.mark.parametrize('method', ['eagle3', 'grammar'])
+def test_a_committed_token_the_grammar_rejects_fails_its_request(engines, method, corrupt_digit_commits):
+    """Defect 5, at run time: a committed token the grammar rejects is an error for its request, reported with the
+    reason, not a fallback to unconstrained decoding (before, the request went on with finish_reason 'length' and
+    only the log said so). Its neighbours, guided or not, finish as usual."""
+    pipe = _spec_pipeline(engines, method)
+    token_a, = pipe.async_engine.tokenizer.encode('a', add_bos=False)
+    corrupt_digit_commits['token'] = token_a
+    digits = response_format('regex_schema', regex=r'[0-9]{40}')
+    letters = response_format('regex_schema', regex=r'[a-z]{40}')
+    configs = [gen_config(digits, max_new_tokens=48), gen_config(letters, max_new_tokens=48),
+               gen_config(None, max_new_tokens=16)]
+    outputs = generate(pipe, PROMPTS[:3], configs)
+    assert corrupt_digit_commits['corrupted'] >= 1
+    assert outputs[0].finish_reason == 'error', outputs[0]
+    assert 'rejected committed token' in outputs[0].text, outputs[0]
+    assert outputs[1].finish_reason == 'stop', outputs[1]
+    check_valid(outputs[1].text, letters)
+    assert outputs[2].finish_reason in ('stop', 'length'), outputs[2]
+    # the engine goes on serving, and holds no failure or grammar state of the finished requests
+    corrupt_digit_commits['token'] = None
+    again = generate(pipe, PROMPTS[:1], [gen_config(letters, max_new_tokens=48)])
+    assert again[0].finish_reason == 'stop'
+    check_valid(again[0].text, letters)
+    # sessions are cleaned up on the step after they finish: one more request is that step
+    generate(pipe, PROMPTS[:1], [gen_config(None, max_new_tokens=4, ignore_eos=True)])
+    assert manager(pipe).processors == {}
+    assert model_agent(pipe).spec_agent.guided_spec.failures() == {}

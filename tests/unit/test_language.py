@@ -63,3 +63,23 @@ def test_no_real_world_schema_is_refused():
         converted += 1
         assert not language_is_empty(grammar), path
     assert converted >= 20
+
+
+def test_answers_are_cached_by_grammar_text(monkeypatch):
+    """A request is checked more than once on its way to the engine: the second check of the same grammar does
+    not parse it again; another grammar, or another start rule, does."""
+    from lmdeploy_guided_spec import language
+    calls = []
+    real = language._rules
+    monkeypatch.setattr(language, '_rules', lambda text: calls.append(len(text)) or real(text))
+    schema = {'type': 'object', 'properties': {'cached_answer_probe': {'type': 'integer'}}, 'required': []}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+    assert language_is_empty(grammar) is False
+    assert language_is_empty(xgr.Grammar.from_json_schema(json.dumps(schema))) is False
+    assert len(calls) == 1
+    loop = xgr.Grammar.from_json_schema(json.dumps({'$defs': {'probe': {'$ref': '#/$defs/probe'}},
+                                                    '$ref': '#/$defs/probe'}))
+    assert language_is_empty(loop) is True and language_is_empty(loop) is True
+    assert len(calls) == 2
+    language_is_empty(grammar, root='no_such_rule')
+    assert len(calls) == 3

@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing, verification_bitmask
 from lmdeploy_guided_spec.draft import DraftGrammar
-from lmdeploy_guided_spec.ordering import host_lists, record_ready
+from lmdeploy_guided_spec.ordering import PromptIds, host_lists, record_ready
 
 from grammars import INSTANCES, SCHEMAS, compile_schema, dumps
 
@@ -193,3 +193,16 @@ def test_record_ready_records_on_the_current_stream():
     assert isinstance(event, torch.cuda.Event)
     event.synchronize()
     assert ids.tolist() == [1, 2, 3, 4]
+
+
+def test_prompt_ids_are_read_after_their_copy(worker):
+    """The prompt of a prefill (lmdeploy's flat layout) is split per row on the worker, after the ready event."""
+    ids, event = _device_ids((1, 5))
+    prompt = PromptIds(ids, torch.tensor([2, 3]), ready=event)
+    rows = worker.submit(lambda: (len(prompt), prompt[0], prompt[1]))
+    _kernel_writes(ids, [[11, 12, 13, 14, 15]])
+    assert rows.result(10) == (2, [11, 12], [13, 14, 15]) and event.waited
+    # without the event the read is unordered, and the double says so
+    unordered, _ = _device_ids((1, 5))
+    with pytest.raises(UnorderedRead):
+        len(PromptIds(unordered, torch.tensor([5])))
