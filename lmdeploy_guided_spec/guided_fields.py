@@ -129,8 +129,8 @@ def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
     ------
     GuidedFieldError
         A guided field that cannot be mapped (a grammar, a whitespace pattern, an unknown backend or key), more than
-        one constraint, a guided field together with ``response_format``, or a malformed value. ``param`` names
-        the field.
+        one constraint, a guided field together with a ``response_format`` other than text, or a malformed value.
+        ``param`` names the field.
     """
     present = {k: body[k] for k in GUIDED_FIELDS if k in body and body[k] is not None}
     if not present:
@@ -169,7 +169,9 @@ def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
     key = constraints[0]
     param = origin[key]
     name = label.get(key, key)
-    if 'response_format' in body and body['response_format'] is not None:
+    # {"type": "text"} constrains nothing; the guided field takes its place
+    given = body.get('response_format')
+    if given is not None and not (isinstance(given, Mapping) and given.get('type') == 'text'):
         raise GuidedFieldError(f'{name} and response_format both constrain the output; send one of them',
                                param=param)
     value = fields[key]

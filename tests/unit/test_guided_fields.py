@@ -62,6 +62,11 @@ def test_json_object_and_whitespace():
     assert fmt['whitespace'] == 'single'
 
 
+def test_a_text_response_format_gives_way():
+    assert response_format_from_fields({'regex': 'a', 'response_format': {'type': 'text'}}) == (
+        {'type': 'regex_schema', 'regex_schema': 'a'}, 'regex')
+
+
 def test_no_guided_field():
     assert response_format_from_fields({'model': 'm', 'messages': [], 'response_format': None}) is None
     assert response_format_from_fields({'guided_json': None}) is None
@@ -72,7 +77,8 @@ def test_no_guided_field():
     ({'structured_outputs': {'grammar': 'root ::= "a"'}}, 'structured_outputs', 'structured_outputs.grammar'),
     ({'ebnf': 'root ::= "a"'}, 'ebnf', 'response_format'),
     ({'guided_json': PERSON, 'response_format': {'type': 'json_object'}}, 'guided_json', 'send one of them'),
-    ({'regex': 'a', 'response_format': {'type': 'text'}}, 'regex', 'response_format both'),
+    ({'regex': 'a', 'response_format': {'type': 'regex_schema', 'regex_schema': 'b'}}, 'regex',
+     'response_format both'),
     ({'guided_json': PERSON, 'guided_regex': 'a'}, 'guided_json', 'only one guided constraint'),
     ({'guided_json': PERSON, 'structured_outputs': {'json': PERSON}}, 'structured_outputs', 'given twice'),
     ({'guided_json': '{not json'}, 'guided_json', 'not valid JSON'),
