@@ -11,25 +11,22 @@ The list is xgrammar's behaviour, not a reading of its documentation: ``tests/un
 a schema for each entry with the installed xgrammar and checks that a matcher accepts an instance the schema forbids
 (and that the keywords left out of the list are enforced), so an xgrammar that starts enforcing one fails there.
 
-======================================  ===================================================================
-what                                    example of an instance that is accepted although the schema forbids it
-======================================  ===================================================================
-``allOf`` with several schemas          ``{"allOf": [{"type": "integer"}, {"minimum": 5}]}`` accepts ``3``
-``oneOf`` with overlapping branches     both branches match; only distinct ``type`` s or a required ``const``
-                                        tag property count as disjoint here
-``not``                                 ``{"type": "integer", "not": {"const": 3}}`` accepts ``3``
-``if`` / ``then`` / ``else``            ignored
-``dependentRequired``, ``dependentSchemas``, ``dependencies``   ignored
-``contains`` (``minContains``, ``maxContains``)   no item needs to match
-``uniqueItems: true``                   ``[1, 1]``
-``multipleOf`` on a non-integer type    ``{"type": "number", "multipleOf": 0.5}`` accepts ``0.3``
-``format`` xgrammar does not know       ``idn-email``, ``idn-hostname``, ``iri``, ``iri-reference``, ``regex``, ...
-``$ref`` outside the document           an external URL or an ``$anchor`` (``#name``): any JSON value
-``$dynamicRef``, ``$recursiveRef``      any JSON value
-keywords next to a ``$ref``             ``{"$ref": "#/$defs/i", "minimum": 5}`` accepts ``3``
-``required`` of an undeclared property  ``{"type": "object", "required": ["a"]}`` accepts ``{}``
-type keywords without ``type``          ``{"minimum": 5}`` accepts ``3`` (number, string and array keywords)
-======================================  ===================================================================
+What is named, each with an instance xgrammar accepts although the schema forbids it:
+
+- ``allOf`` of several schemas: ``{"allOf": [{"type": "integer"}, {"minimum": 5}]}`` accepts ``3``;
+- ``oneOf`` whose branches can overlap (both match); only distinct ``type`` s or a required ``const`` tag property
+  count as disjoint here;
+- ``not`` (``{"type": "integer", "not": {"const": 3}}`` accepts ``3``), ``if`` / ``then`` / ``else``,
+  ``dependentRequired``, ``dependentSchemas``, ``dependencies``, ``$dynamicRef``, ``$recursiveRef``: dropped;
+- ``contains`` (with ``minContains``, ``maxContains``): no item needs to match;
+- ``uniqueItems: true``: ``[1, 1]``;
+- ``multipleOf`` on a non-integer type: ``{"type": "number", "multipleOf": 0.5}`` accepts ``0.3``;
+- the JSON Schema formats xgrammar does not build: ``idn-email``, ``idn-hostname``, ``iri``, ``iri-reference``,
+  ``regex``;
+- a ``$ref`` outside the document (a URL, another file, an ``$anchor`` name): any JSON value;
+- constraining keywords next to a ``$ref``: ``{"$ref": "#/$defs/i", "minimum": 5}`` accepts ``3``;
+- ``required`` names not under ``properties``: ``{"type": "object", "required": ["a"]}`` accepts ``{}``;
+- number, string and array keywords in a schema without ``type``: ``{"minimum": 5}`` accepts ``3``.
 """
 from __future__ import annotations
 
@@ -38,15 +35,24 @@ __all__ = ['KNOWN_FORMATS', 'unenforced_keywords']
 # formats whose grammar xgrammar builds (a violating string is rejected); any other format constrains nothing
 KNOWN_FORMATS = frozenset({'email', 'date', 'date-time', 'time', 'duration', 'uuid', 'ipv4', 'ipv6', 'hostname',
                            'uri', 'uri-reference', 'uri-template', 'json-pointer', 'relative-json-pointer'})
+# the formats JSON Schema defines (2020-12); a format of a schema's own (json-editor's 'grid', 'int32') is an
+# annotation that validators ignore too, so it is not named
+_SPEC_FORMATS = KNOWN_FORMATS | {'idn-email', 'idn-hostname', 'iri', 'iri-reference', 'regex'}
 _IGNORED = ('not', 'if', 'then', 'else', 'dependentRequired', 'dependentSchemas', 'dependencies', 'contains',
             'minContains', 'maxContains', '$dynamicRef', '$recursiveRef')
 # keywords that only act once a type is known; xgrammar infers objects and arrays from properties / items
 _TYPED = ('minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf', 'minLength', 'maxLength',
           'pattern', 'format', 'minItems', 'maxItems')
 _INFERS_TYPE = ('type', 'const', 'enum', '$ref', 'anyOf', 'oneOf', 'allOf', 'properties', 'items', 'prefixItems')
-# keywords next to a $ref that constrain nothing anyway
-_ANNOTATIONS = frozenset({'$ref', '$defs', 'definitions', '$schema', '$id', '$comment', '$anchor', 'title',
-                          'description', 'default', 'examples', 'deprecated', 'readOnly', 'writeOnly'})
+# keywords that constrain an instance; next to a $ref xgrammar drops them (annotations and keywords of a schema's
+# own, such as propertyOrder or x-..., constrain nothing anyway)
+_CONSTRAINING = frozenset({
+    'type', 'enum', 'const', 'multipleOf', 'maximum', 'exclusiveMaximum', 'minimum', 'exclusiveMinimum', 'maxLength',
+    'minLength', 'pattern', 'format', 'maxItems', 'minItems', 'uniqueItems', 'maxContains', 'minContains', 'contains',
+    'maxProperties', 'minProperties', 'required', 'dependentRequired', 'dependencies', 'properties',
+    'patternProperties', 'additionalProperties', 'propertyNames', 'items', 'prefixItems', 'additionalItems',
+    'unevaluatedItems', 'unevaluatedProperties', 'allOf', 'anyOf', 'oneOf', 'not', 'if', 'then', 'else',
+    'dependentSchemas', '$dynamicRef', '$recursiveRef'})
 # subschemas: keyword -> how they are held
 _ONE = ('additionalProperties', 'items', 'not', 'if', 'then', 'else', 'contains', 'propertyNames',
         'unevaluatedProperties', 'unevaluatedItems', 'additionalItems')
@@ -116,13 +122,13 @@ def _check(schema: dict, path: str, found: list[str]) -> None:
     if 'multipleOf' in schema and kinds is not None and kinds != {'integer'}:
         note('multipleOf')
     fmt = schema.get('format')
-    if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
+    if isinstance(fmt, str) and fmt in _SPEC_FORMATS - KNOWN_FORMATS:
         note(f'format {fmt!r}')
     ref = schema.get('$ref')
     if isinstance(ref, str):
         if ref != '#' and not ref.startswith('#/'):
             note(f'$ref {ref!r}')
-        siblings = sorted(k for k in schema if k not in _ANNOTATIONS)
+        siblings = sorted(k for k in schema if k in _CONSTRAINING)
         if siblings:
             note(f'{", ".join(siblings)} next to $ref')
     required = schema.get('required')

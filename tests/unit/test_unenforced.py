@@ -147,6 +147,15 @@ def test_nested_uses_are_found_with_their_pointers():
         'minimum without type at #/$defs/x/then']
 
 
+def test_annotations_and_formats_of_a_schema_s_own_are_not_named():
+    # validators ignore them as well: output that satisfies the rest satisfies the schema
+    schema = {'type': 'object', 'format': 'grid', 'properties': {
+        'a': {'$ref': '#/$defs/i', 'propertyOrder': 1, 'x-intellij-html-description': 'a', 'title': 'A'},
+        'b': {'type': 'string', 'format': 'int32'}},
+        '$defs': {'i': {'type': 'integer'}}}
+    assert unenforced_keywords(schema) == []
+
+
 def test_real_world_schemas_are_read_without_error():
     paths = [p for d in SCHEMA_DIRS for p in glob.glob(str(d / '**' / '*.json'), recursive=True)]
     assert paths
