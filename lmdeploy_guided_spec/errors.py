@@ -1,7 +1,7 @@
 """Exceptions raised by lmdeploy-guided-spec."""
 
 __all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarRejectedError', 'GrammarCompileError',
-           'GrammarCompileTimeout', 'GrammarCompilerUnavailable']
+           'GrammarCompileTimeout', 'GrammarCompilerUnavailable', 'GuidedFieldError']
 
 
 class GuidedSpecError(Exception):
@@ -30,3 +30,15 @@ class GrammarCompileTimeout(GuidedSpecError, TimeoutError):
 
 class GrammarCompilerUnavailable(GuidedSpecError, RuntimeError):
     """The grammar compile service is closed, or its compiler process died while compiling."""
+
+
+class GuidedFieldError(GuidedSpecError, ValueError):
+    """A vLLM / SGLang guided-decoding field of a request cannot be read as a ``response_format``.
+
+    ``param`` names the request field, for an OpenAI-style error body.
+    """
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
+

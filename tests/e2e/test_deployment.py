@@ -5,6 +5,7 @@ Each test names the defect of the issue "The engine never dies, never stalls, ne
 guards against.
 """
 import json
+import logging
 import math
 
 import pytest
@@ -179,3 +180,38 @@ def test_a_committed_token_the_grammar_rejects_fails_its_request(engines, method
     generate(pipe, PROMPTS[:1], [gen_config(None, max_new_tokens=4, ignore_eos=True)])
     assert manager(pipe).processors == {}
     assert model_agent(pipe).spec_agent.guided_spec.failures() == {}
+
+
+# 'not' is dropped by xgrammar (tests/unit/test_unenforced.py)
+UNENFORCED = {'type': 'object', 'properties': {'age': {'type': 'integer', 'minimum': 0, 'maximum': 9,
+                                                       'not': {'const': 3}}},
+              'required': ['age'], 'additionalProperties': False}
+
+
+def test_unenforced_keywords_strict_fails_otherwise_a_warning(engines):
+    """Issue 15: a schema with keywords xgrammar does not enforce was served with no word. Through ``pipeline``, a
+    strict one fails alone naming them; a non-strict one is served (the rest of the schema holds) with a warning in
+    lmdeploy's log."""
+    pipe = engines(METHODS['eagle3'])
+    strict = {'type': 'json_schema', 'json_schema': {'name': 'age', 'schema': UNENFORCED, 'strict': True}}
+    lax = {'type': 'json_schema', 'json_schema': {'name': 'age', 'schema': UNENFORCED}}
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger('lmdeploy')
+    level = logger.level
+    # the engines of these tests log errors only
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        outputs = generate(pipe, PROMPTS[:2], [gen_config(strict), gen_config(lax)])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert outputs[0].finish_reason == 'error', outputs[0]
+    assert 'is strict' in outputs[0].text and 'not at #/properties/age' in outputs[0].text, outputs[0].text
+    assert outputs[1].finish_reason == 'stop', outputs[1]
+    assert 0 <= json.loads(outputs[1].text)['age'] <= 9
+    warnings = [r.getMessage() for r in records
+                if r.levelno == logging.WARNING and 'does not enforce' in r.getMessage()]
+    assert len(warnings) == 1 and 'not at #/properties/age' in warnings[0], warnings

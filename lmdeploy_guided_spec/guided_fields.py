@@ -1,0 +1,196 @@
+"""The guided-decoding fields of vLLM and SGLang requests, read as an OpenAI-style ``response_format``.
+
+Clients written for vLLM send ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (through the
+openai client's ``extra_body``) or the newer ``structured_outputs={"json": ...}``; clients written for SGLang send
+top-level ``json_schema``, ``regex`` and ``ebnf``. A server that does not know these fields drops them and answers
+with unconstrained output. :func:`response_format_from_fields` reads them from a request body and returns the
+``response_format`` that asks for the same constraint, or raises :class:`GuidedFieldError` naming the field and what
+to send instead: a guided field is mapped or refused, never ignored.
+
+========================================  =====================================================================
+field                                     response_format
+========================================  =====================================================================
+``guided_json``, ``structured_outputs.json``, SGLang ``json_schema`` (object or JSON text)
+                                          ``{"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}``
+``guided_regex``, ``structured_outputs.regex``, SGLang ``regex``
+                                          ``{"type": "regex_schema", "regex_schema": ...}``
+``guided_choice``, ``structured_outputs.choice`` (a list of strings)
+                                          ``{"type": "regex_schema", "regex_schema": "(a|b|c)"}`` (each choice
+                                          matched literally, as vLLM matches one of the choices)
+``structured_outputs.json_object: true``  ``{"type": "json_object"}``
+``guided_grammar``, ``structured_outputs.grammar``, SGLang ``ebnf``
+                                          refused: the server has no grammar response format
+========================================  =====================================================================
+
+``guided_decoding_backend`` / ``structured_outputs.backend`` may say ``xgrammar`` or ``auto`` (the grammar compiler
+is xgrammar); ``structured_outputs.disable_any_whitespace: true`` asks for the ``single`` whitespace of JSON output.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from .errors import GuidedFieldError
+
+__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex']
+
+# top-level request fields read here: vLLM's, then SGLang's
+GUIDED_FIELDS = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar', 'guided_decoding_backend',
+                 'guided_whitespace_pattern', 'structured_outputs', 'json_schema', 'regex', 'ebnf')
+
+# structured_outputs keys (vLLM's StructuredOutputsParams) and the guided_* field each stands for
+_STRUCTURED = {'json': 'guided_json', 'regex': 'guided_regex', 'choice': 'guided_choice', 'grammar': 'guided_grammar'}
+_LABELS = {v: k for k, v in _STRUCTURED.items()} | {'guided_decoding_backend': 'backend',
+                                                    'guided_whitespace_pattern': 'whitespace_pattern'}
+_BACKENDS = ('xgrammar', 'auto')
+_REGEX_SPECIAL = set('\\.^$*+?()[]{}|/-')
+_POINTER = 'send response_format instead'
+_GRAMMAR = ('grammar (EBNF) constraints are not supported by this server; describe the output with response_format '
+            '{"type": "json_schema", ...} or {"type": "regex_schema", "regex_schema": ...} instead')
+
+
+def choice_regex(choices) -> str:
+    """A regex matching exactly one of ``choices``, each character literal.
+
+    Parameters
+    ----------
+    choices : list of str
+        The strings the output may be, as vLLM's ``guided_choice`` takes them.
+
+    Raises
+    ------
+    GuidedFieldError
+        ``choices`` is not a non-empty list of strings.
+    """
+    if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
+        raise GuidedFieldError('guided_choice must be a non-empty list of strings', param='guided_choice')
+    # xgrammar's regex escapes: a backslash before each special character, nothing else escaped
+    return '(' + '|'.join(''.join('\\' + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices) + ')'
+
+
+def _json_schema(value, name: str, param: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise GuidedFieldError(f'{name} is not valid JSON: {err}', param=param) from err
+    if not isinstance(value, dict):
+        raise GuidedFieldError(f'{name} must be a JSON schema object, got {type(value).__name__}', param=param)
+    return {'type': 'json_schema', 'json_schema': {'name': param, 'schema': value}}
+
+
+def _regex(value, name: str, param: str) -> dict:
+    if not isinstance(value, str) or not value:
+        raise GuidedFieldError(f'{name} must be a non-empty regular expression', param=param)
+    return {'type': 'regex_schema', 'regex_schema': value}
+
+
+def _structured(value) -> dict[str, object]:
+    """The constraint fields of vLLM's ``structured_outputs``, under their ``guided_*`` names."""
+    param = 'structured_outputs'
+    if not isinstance(value, Mapping):
+        raise GuidedFieldError(f'{param} must be an object', param=param)
+    fields = {}
+    for key, item in value.items():
+        if item is None or item is False:
+            continue
+        if key in _STRUCTURED:
+            fields[_STRUCTURED[key]] = item
+        elif key == 'json_object':
+            fields['json_object'] = item
+        elif key == 'backend':
+            fields['guided_decoding_backend'] = item
+        elif key == 'disable_any_whitespace':
+            fields['disable_any_whitespace'] = item
+        elif key == 'whitespace_pattern':
+            fields['guided_whitespace_pattern'] = item
+        else:
+            raise GuidedFieldError(f'{param}.{key} is not supported by this server; {_POINTER} '
+                                   '(json_schema, regex_schema, json_object)', param=param)
+    return fields
+
+
+def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
+    """The ``response_format`` that vLLM / SGLang guided fields of a request body ask for.
+
+    Parameters
+    ----------
+    body : Mapping
+        The request body as JSON (a chat completion or completion request); only the fields of
+        :data:`GUIDED_FIELDS` are read, nothing is changed.
+
+    Returns
+    -------
+    tuple of (dict, str) or None
+        The response_format (lmdeploy's shape: ``json_schema``, ``regex_schema`` or ``json_object``) and the name
+        of the field it came from (for error messages); None when the body has no guided field.
+
+    Raises
+    ------
+    GuidedFieldError
+        A guided field that cannot be mapped (a grammar, a whitespace pattern, an unknown backend or key), more than
+        one constraint, a guided field together with a ``response_format`` other than text, or a malformed value.
+        ``param`` names the field.
+    """
+    present = {k: body[k] for k in GUIDED_FIELDS if k in body and body[k] is not None}
+    if not present:
+        return None
+    fields = dict(present)
+    origin = {k: k for k in present}  # the top-level field each constraint came from (the error's param)
+    label = {}  # how messages name a constraint that came from structured_outputs
+    if 'structured_outputs' in fields:
+        for key, item in _structured(fields.pop('structured_outputs')).items():
+            if key in fields:
+                raise GuidedFieldError(f'{key} is given twice (as {key} and in structured_outputs)',
+                                       param='structured_outputs')
+            fields[key] = item
+            origin[key] = 'structured_outputs'
+            label[key] = 'structured_outputs.' + _LABELS.get(key, key)
+    backend = fields.pop('guided_decoding_backend', None)
+    if backend is not None and backend not in _BACKENDS:
+        param = origin['guided_decoding_backend']
+        raise GuidedFieldError(f'guided decoding backend {backend!r} is not available; this server compiles grammars '
+                               f'with xgrammar (use {" or ".join(_BACKENDS)}, or leave the field out)', param=param)
+    if 'guided_whitespace_pattern' in fields:
+        raise GuidedFieldError('a whitespace pattern is not supported; response_format "whitespace" takes any, '
+                               'single or compact', param=origin['guided_whitespace_pattern'])
+    disable_any_whitespace = fields.pop('disable_any_whitespace', False)
+    constraints = [k for k in fields if k != 'json_object' or fields[k] is True]
+    if 'json_object' in fields and fields['json_object'] is not True:
+        raise GuidedFieldError('structured_outputs.json_object must be true or false', param='structured_outputs')
+    if not constraints:
+        if disable_any_whitespace:
+            raise GuidedFieldError('structured_outputs.disable_any_whitespace needs a json or json_object '
+                                   'constraint', param='structured_outputs')
+        return None
+    if len(constraints) > 1:
+        names = ', '.join(label.get(k, k) for k in constraints)
+        raise GuidedFieldError(f'only one guided constraint per request, got {names}', param=origin[constraints[0]])
+    key = constraints[0]
+    param = origin[key]
+    name = label.get(key, key)
+    # {"type": "text"} constrains nothing; the guided field takes its place
+    given = body.get('response_format')
+    if given is not None and not (isinstance(given, Mapping) and given.get('type') == 'text'):
+        raise GuidedFieldError(f'{name} and response_format both constrain the output; send one of them',
+                               param=param)
+    value = fields[key]
+    if key in ('guided_grammar', 'ebnf'):
+        raise GuidedFieldError(f'{name}: {_GRAMMAR}', param=param)
+    if key in ('guided_json', 'json_schema'):
+        fmt = _json_schema(value, name, param)
+    elif key == 'json_object':
+        fmt = {'type': 'json_object'}
+    elif key in ('guided_regex', 'regex'):
+        fmt = _regex(value, name, param)
+    else:  # guided_choice
+        try:
+            fmt = {'type': 'regex_schema', 'regex_schema': choice_regex(value)}
+        except GuidedFieldError as err:
+            raise GuidedFieldError(str(err).replace('guided_choice', name), param=param) from None
+    if disable_any_whitespace:
+        if fmt['type'] == 'regex_schema':
+            raise GuidedFieldError('structured_outputs.disable_any_whitespace applies to json and json_object '
+                                   'only', param='structured_outputs')
+        fmt['whitespace'] = 'single'
+    return fmt, param

@@ -1,0 +1,105 @@
+"""vLLM / SGLang guided-decoding fields read as a response_format: each mapped field's format accepts what the field
+allows and nothing else (checked with xgrammar's matcher), every other field is refused with its name."""
+import json
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string
+
+from lmdeploy_guided_spec.errors import GuidedFieldError
+from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields
+
+pytestmark = pytest.mark.unit
+
+PERSON = {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}
+CHOICES = ['yes', 'no way', 'a.b', 'x|y', '(1+2)*3', 'back\\slash', '中文', 'q"uote', 'new\nline', '[a-z]{2}']
+
+
+def _grammar(fmt: dict):
+    if fmt['type'] == 'json_schema':
+        return xgr.Grammar.from_json_schema(json.dumps(fmt['json_schema']['schema']))
+    if fmt['type'] == 'json_object':
+        return xgr.Grammar.from_json_schema('{"type": "object", "additionalProperties": true}')
+    return xgr.Grammar.from_regex(fmt['regex_schema'])
+
+
+@pytest.mark.parametrize('body, param', [
+    ({'guided_json': PERSON}, 'guided_json'),
+    ({'guided_json': json.dumps(PERSON)}, 'guided_json'),
+    ({'structured_outputs': {'json': PERSON}}, 'structured_outputs'),
+    ({'json_schema': json.dumps(PERSON)}, 'json_schema'),
+    ({'guided_json': PERSON, 'guided_decoding_backend': 'xgrammar'}, 'guided_json'),
+])
+def test_json_fields(body, param):
+    fmt, source = response_format_from_fields(body)
+    assert source == param and fmt['type'] == 'json_schema' and fmt['json_schema']['schema'] == PERSON
+    grammar = _grammar(fmt)
+    assert _is_grammar_accept_string(grammar, '{"name": "Ann"}')
+    assert not _is_grammar_accept_string(grammar, '{"age": 3}')
+
+
+@pytest.mark.parametrize('body', [{'guided_regex': r'\d{3}'}, {'structured_outputs': {'regex': r'\d{3}'}},
+                                  {'regex': r'\d{3}'}])
+def test_regex_fields(body):
+    fmt, _ = response_format_from_fields(body)
+    assert fmt == {'type': 'regex_schema', 'regex_schema': r'\d{3}'}
+
+
+@pytest.mark.parametrize('body', [{'guided_choice': CHOICES}, {'structured_outputs': {'choice': CHOICES}}])
+def test_choice_fields_match_exactly_one_choice(body):
+    fmt, _ = response_format_from_fields(body)
+    grammar = _grammar(fmt)
+    for choice in CHOICES:
+        assert _is_grammar_accept_string(grammar, choice), choice
+    for other in ['ye', 'yesno', 'aXb', 'x', 'ab', 'back\\\\slash', '']:
+        assert not _is_grammar_accept_string(grammar, other), other
+
+
+def test_json_object_and_whitespace():
+    assert response_format_from_fields({'structured_outputs': {'json_object': True}}) == (
+        {'type': 'json_object'}, 'structured_outputs')
+    fmt, _ = response_format_from_fields({'structured_outputs': {'json': PERSON, 'disable_any_whitespace': True}})
+    assert fmt['whitespace'] == 'single'
+
+
+def test_a_text_response_format_gives_way():
+    assert response_format_from_fields({'regex': 'a', 'response_format': {'type': 'text'}}) == (
+        {'type': 'regex_schema', 'regex_schema': 'a'}, 'regex')
+
+
+def test_no_guided_field():
+    assert response_format_from_fields({'model': 'm', 'messages': [], 'response_format': None}) is None
+    assert response_format_from_fields({'guided_json': None}) is None
+
+
+@pytest.mark.parametrize('body, param, message', [
+    ({'guided_grammar': 'root ::= "a"'}, 'guided_grammar', 'grammar (EBNF) constraints are not supported'),
+    ({'structured_outputs': {'grammar': 'root ::= "a"'}}, 'structured_outputs', 'structured_outputs.grammar'),
+    ({'ebnf': 'root ::= "a"'}, 'ebnf', 'response_format'),
+    ({'guided_json': PERSON, 'response_format': {'type': 'json_object'}}, 'guided_json', 'send one of them'),
+    ({'regex': 'a', 'response_format': {'type': 'regex_schema', 'regex_schema': 'b'}}, 'regex',
+     'response_format both'),
+    ({'guided_json': PERSON, 'guided_regex': 'a'}, 'guided_json', 'only one guided constraint'),
+    ({'guided_json': PERSON, 'structured_outputs': {'json': PERSON}}, 'structured_outputs', 'given twice'),
+    ({'guided_json': '{not json'}, 'guided_json', 'not valid JSON'),
+    ({'guided_json': [1]}, 'guided_json', 'must be a JSON schema object'),
+    ({'guided_regex': ''}, 'guided_regex', 'non-empty regular expression'),
+    ({'guided_choice': []}, 'guided_choice', 'non-empty list of strings'),
+    ({'structured_outputs': {'choice': [1, 2]}}, 'structured_outputs', 'structured_outputs.choice must be'),
+    ({'guided_json': PERSON, 'guided_decoding_backend': 'outlines'}, 'guided_decoding_backend', 'xgrammar'),
+    ({'guided_json': PERSON, 'guided_whitespace_pattern': ' '}, 'guided_whitespace_pattern', 'whitespace'),
+    ({'structured_outputs': {'structural_tag': '{}'}}, 'structured_outputs', 'structured_outputs.structural_tag'),
+    ({'structured_outputs': 'json'}, 'structured_outputs', 'must be an object'),
+    ({'structured_outputs': {'regex': 'a', 'disable_any_whitespace': True}}, 'structured_outputs',
+     'disable_any_whitespace'),
+    ({'guided_decoding_backend': 'lm-format-enforcer'}, 'guided_decoding_backend', 'not available'),
+])
+def test_refused(body, param, message):
+    with pytest.raises(GuidedFieldError, match=None) as err:
+        response_format_from_fields(body)
+    assert err.value.param == param
+    assert message in str(err.value)
+
+
+def test_choice_regex_escapes_only_special_characters():
+    assert choice_regex(['a b', 'c.d']) == r'(a b|c\.d)'
