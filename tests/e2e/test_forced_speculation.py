@@ -42,12 +42,12 @@ def _record_commits(pipe) -> list[int]:
     counts: list[int] = []
     commit_async = guided.commit_async
 
-    def recording(matchers, token_ids):
+    def recording(matchers, token_ids, **kwargs):
         rows = token_ids.tolist()
         for row in matchers:
             tokens = rows[row] if isinstance(rows[row], list) else [rows[row]]
             counts.append(sum(1 for t in tokens if t >= 0))
-        return commit_async(matchers, token_ids)
+        return commit_async(matchers, token_ids, **kwargs)
 
     guided.commit_async = recording
     return counts
