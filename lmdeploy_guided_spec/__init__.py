@@ -23,6 +23,8 @@ _EXPORTS = {
     'GrammarCompilerUnavailable': 'errors',
     'GrammarCompileService': 'compile',
     'SpecGrammarManager': 'manager',
+    'SpecCounts': 'report',
+    'startup_message': 'report',
     'DraftGrammar': 'draft',
     'GrammarWorker': 'worker',
     'commit': 'step',
