@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import urllib.request
 
 import openai
 import pytest
@@ -152,6 +153,11 @@ def test_api_server(cpu_path, fsm_file, tmp_path, method):
         text, reason = _chat(base, None, prompt='Will it rain tomorrow?', max_tokens=16)
         if method == 'fsm':
             assert text.startswith('Answer:'), text
+        # the drafts the grammar forced are counted in lmdeploy's Prometheus metrics, next to drafted and accepted
+        metrics = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
+        forced = re.search(r'^lmdeploy:spec_decode_num_forced_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
+        drafted = re.search(r'^lmdeploy:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
+        assert forced and drafted and 0 < float(forced.group(1)) <= float(drafted.group(1)), metrics[-3000:]
         assert proc.poll() is None
     finally:
         stop_server(proc)
