@@ -1,4 +1,5 @@
-"""The shell and Python examples of README.md and docs/ (English and Simplified Chinese), run as a user runs them.
+"""The shell and Python examples of README.md, docs/ (English and Simplified Chinese) and examples/README.md, run as
+a user runs them.
 
 Sybil finds the ```` ```bash ```` and ```` ```python ```` blocks (pytest marker ``docs``); every other fence is
 output or data. Each block runs in a fresh process from the repository root with ``.venv/bin`` first on ``PATH``
@@ -203,7 +204,7 @@ def _evaluator(kind: str):
 pytest_collect_file = Sybil(
     parsers=[SkipParser(), _parse_directives, CodeBlockParser('bash', _evaluator('bash')),
              CodeBlockParser('python', _evaluator('python'))],
-    patterns=['README.md', 'docs/*/*.md'],
+    patterns=['README.md', 'docs/*/*.md', 'examples/README.md'],
     fixtures=['docs_runner'],
 ).pytest()
 

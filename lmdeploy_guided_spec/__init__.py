@@ -26,6 +26,8 @@ _EXPORTS = {
     'unenforced_keywords': 'unenforced',
     'GrammarCompileService': 'compile',
     'SpecGrammarManager': 'manager',
+    'SpecCounts': 'report',
+    'startup_message': 'report',
     'DraftGrammar': 'draft',
     'GrammarWorker': 'worker',
     'commit': 'step',

@@ -387,7 +387,9 @@ class GrammarCompileService:
                 try:
                     self._child(slot)
                 except GrammarCompilerUnavailable as exc:
-                    logger.warning('%s; trying again with the next compile', exc)
+                    if not self._closed:
+                        # (a child that close() killed while it started is no failure)
+                        logger.warning('%s; trying again with the next compile', exc)
             job = self._jobs.get()
             if job is None:
                 return

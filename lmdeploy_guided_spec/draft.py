@@ -257,6 +257,14 @@ class DraftGrammar:
         self.wait()
         return dict(self._forced[position]) if position < len(self._forced) else {}
 
+    def forced_count(self, row: int) -> int:
+        """How many of ``row``'s draft tokens the grammar forced, over the positions found so far.
+
+        Does not wait: after the last :meth:`advance` (which waited for its position) or :meth:`propose`, every draft
+        position is known. Zero without ``forced``.
+        """
+        return sum(row in found for found in list(self._forced))
+
     def propose(self, filler: int = 0) -> torch.Tensor:
         """Draft the whole window from the grammar alone and return the drafts ``(batch, k)`` LongTensor (waits).
 

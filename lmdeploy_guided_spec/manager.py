@@ -344,6 +344,18 @@ class SpecGrammarManager:
             # after the commits queued before
             self.worker.submit(self.guesses.forget, list(session_ids))
 
+    def forced_counts(self, session_ids: Sequence[int]) -> list[int]:
+        """Per batch row, the draft tokens of its kept window (the one drafted last) that the grammar forced.
+
+        Rows without a kept window (unguided, or drafted without ``session_ids``) count 0. Call it after drafting
+        and before the verification that consumes the windows (:meth:`verification_bitmask`); it does not wait.
+        """
+        counts = []
+        for session_id in session_ids:
+            entry = self._windows.get(session_id)
+            counts.append(entry[0].forced_count(entry[1]) if entry is not None else 0)
+        return counts
+
     @property
     def num_kept_windows(self) -> int:
         """Sessions with a kept drafting window (for leak checks)."""

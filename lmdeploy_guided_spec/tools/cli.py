@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--sampling', action='store_true', help='sample instead of greedy decoding')
     p.set_defaults(handler=_cmd_check)
 
-    p = sub.add_parser('demo', help='a JSON-schema request through lmdeploy pipeline with speculative decoding, on '
-                       'the CPU')
+    p = sub.add_parser('demo', help='a JSON-schema request through lmdeploy pipeline without and with speculative '
+                       'decoding (eagle, grammar; fsm on an FSM request), side by side, on the CPU')
     p.add_argument('--model', choices=['smollm2', 'tiny', 'tiny-deepseek'], default='smollm2',
                    help='smollm2: SmolLM2-135M-Instruct with an EAGLE draft of its own layers; tiny / tiny-deepseek: '
                    'random tiny models with Eagle3 / MTP drafts (default: smollm2)')
@@ -231,8 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--num-spec-tokens', type=int, default=3, metavar='K', help='draft tokens per step (default: 3)')
     p.add_argument('--sampling', action='store_true', help='sample instead of greedy decoding')
     p.add_argument('--seed', type=int, default=0, help='random seed of sampling (default: 0)')
-    p.add_argument('--compare', action='store_true',
-                   help='also run the request without speculative decoding and compare the tokens')
+    p.add_argument('--method', default=None, metavar='METHOD',
+                   help="run one method only (or a comma list): none, the model's draft method (eagle for smollm2, "
+                   'eagle3 for tiny, deepseek_mtp for tiny-deepseek), grammar or fsm (default: all, side by side)')
+    p.add_argument('--steps', action='store_true', help='print every speculative step')
     p.set_defaults(handler=_cmd_demo)
 
     # main() hands serve-cpu's arguments to the CPU path's serve before parsing (they are lmdeploy's options)

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import urllib.request
 
 import openai
 import pytest
@@ -202,6 +203,11 @@ def test_api_server(cpu_path, vllm_example, tmp_path, method):
             choice = client.completions.create(model=client.models.list().data[0].id, prompt='Generate text:',
                                                max_tokens=10, temperature=0).choices[0]
             assert choice.text in texts and choice.finish_reason == 'stop', choice
+        # the drafts the grammar forced are counted in lmdeploy's Prometheus metrics, next to drafted and accepted
+        metrics = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
+        forced = re.search(r'^lmdeploy:spec_decode_num_forced_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
+        drafted = re.search(r'^lmdeploy:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
+        assert forced and drafted and 0 < float(forced.group(1)) <= float(drafted.group(1)), metrics[-3000:]
         assert proc.poll() is None
     finally:
         stop_server(proc)

@@ -179,14 +179,17 @@ def test_the_cache_is_bounded_by_bytes(service, monkeypatch):
     assert not service.submit('regex', 'bounded-0').done() or service.cache_entries <= 3
 
 
-def test_close_fails_pending_compiles_and_refuses_new_ones(monkeypatch):
+def test_close_fails_pending_compiles_and_refuses_new_ones(monkeypatch, caplog):
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '7.5')
     svc = GrammarCompileService(tokenizer_info('llama3').serialize_json())
     assert svc.timeout_s == 7.5
     pending = svc.submit('regex', 'pending')  # the children are still starting
     start = time.perf_counter()
-    svc.close()
+    with caplog.at_level('WARNING', logger='lmdeploy_guided_spec.compile'):
+        svc.close()
     assert time.perf_counter() - start < 10
+    # children killed by close while they start are no failure to warn about
+    assert not [r for r in caplog.records if 'did not start' in r.getMessage()], caplog.text
     with pytest.raises(GrammarCompilerUnavailable):
         pending.result(timeout=10)
     with pytest.raises(GrammarCompilerUnavailable, match='closed'):

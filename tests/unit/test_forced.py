@@ -170,8 +170,11 @@ def test_propose_drafts_forced_tokens_and_keeps_reference_masks(llama3, k, new_m
         drafts = manager.propose(committed, 3, k, session_ids=[10, 11, 12], filler=7)
         assert drafts.shape == (3, k) and drafts.dtype == torch.long
         assert drafts[1].tolist() == [7] * k, 'unguided rows draft the filler'
+        counts = manager.forced_counts([10, 11, 12])
+        assert counts[1] == 0
         for row in (0, 2):
             expect = forced_drafts(committed[row], k, vocab, forced)
+            assert counts[row] == len(expect), 'forced_counts: the forced drafts of each row'
             assert drafts[row, :len(expect)].tolist() == expect
             if len(expect) < k:
                 # the first unforced position drafts a token the grammar rejects there
@@ -227,6 +230,7 @@ def test_advance_drafts_the_forced_token_whatever_the_draft_chose(llama3, with_m
         chosen.append(int(draft[1]))
     window.wait()
     assert window.drafts[1] == expect and not window.dead
+    assert window.forced_count(1) == 3 and window.forced_count(0) == 0
 
     off = SpecGrammarManager(vocab, tokenizer=tok, tokenizer_info=testing.tokenizer_info(llama3),
                              forced_drafts=False)
@@ -238,6 +242,7 @@ def test_advance_drafts_the_forced_token_whatever_the_draft_chose(llama3, with_m
     before = draft.clone()
     window.advance(draft)
     assert torch.equal(draft, before), 'forced_drafts=False leaves the draft model its choice'
+    assert window.forced_count(1) == 0
 
 
 def test_forced_tokens_of_a_window_at_every_position(llama3, new_matcher):
