@@ -11,8 +11,8 @@ hand-written ones of ``benchmarks/data/forced_schemas/`` as the category ``handw
 * **columns**, one engine process each, every request alone: guided non-speculative decoding, ``grammar`` k=4 and
   k=8 (forced drafts and guessed drafts: the request's formatting, context lookup), ``grammar`` k=8 with forced
   drafts only (``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS=0``), and ``eagle`` k=4 with SmolLM2's small EAGLE draft.
-  The patch series does not hand prompt tokens to the core yet; the benchmark passes them at prefill
-  (:func:`pass_prompt_ids`, off with ``--no-prompt-ids``).
+  The patch series hands the prompt tokens to the core at prefill (context lookups copy from the prompt);
+  ``--no-prompt-ids`` takes them away (:func:`drop_prompt_ids`), for a side-by-side of the two.
 
 Reported per category and overall: schemas compiled and compile time, valid outputs (``jsonschema`` with a format
 checker), the share of output tokens the grammar forces (along the non-speculative output), tokens per target
@@ -182,28 +182,16 @@ def forced_share(tokens: list[int], compiled, vocab: int, forced_tokenizer) -> t
 
 
 # -- one engine process per column -----------------------------------------------------------------------------------
-def pass_prompt_ids(spec_agent) -> None:
-    """Hand the prompt tokens of a prefill to ``SpecGrammarManager.propose`` (``prompt_ids``), as the series will.
-
-    The patch series does not pass them yet; this wraps the spec agent's draft-free forward of this process so that
-    context lookups see the prompt (``--no-prompt-ids``: output only, what the series does today).
-    """
-    import functools
-    forward = spec_agent._async_draft_free_forward
+def drop_prompt_ids(spec_agent) -> None:
+    """Context lookups see the output only: ``SpecGrammarManager.propose`` of this process gets no prompt ids
+    (the series passes them at prefill)."""
     guided_spec = spec_agent.guided_spec
     propose = guided_spec.propose
 
-    async def with_prompt_ids(model_inputs, extra_inputs, sampling_inputs):
-        if model_inputs.is_decoding or model_inputs.is_dummy:
-            return await forward(model_inputs, extra_inputs, sampling_inputs)
-        prompt_ids = model_inputs.input_ids[0].cpu().split(model_inputs.seq_length.tolist())
-        guided_spec.propose = functools.partial(propose, prompt_ids=prompt_ids)
-        try:
-            return await forward(model_inputs, extra_inputs, sampling_inputs)
-        finally:
-            guided_spec.propose = propose
+    def without_prompt_ids(*args, prompt_ids=None, **kwargs):
+        return propose(*args, **kwargs)
 
-    spec_agent._async_draft_free_forward = with_prompt_ids
+    guided_spec.propose = without_prompt_ids
 
 
 def engine_worker(spec: dict) -> None:
@@ -242,8 +230,8 @@ def engine_worker(spec: dict) -> None:
     if spec['method'] == 'grammar':
         spec_agent = pipe.async_engine.engine.executor.model_agent.spec_agent
         guesses = spec_agent.guided_spec.guesses
-        if spec['prompt_ids']:
-            pass_prompt_ids(spec_agent)
+        if not spec['prompt_ids']:
+            drop_prompt_ids(spec_agent)
     requests = json.loads(Path(spec['requests']).read_text())
     results = []
     try:
@@ -362,7 +350,7 @@ def main(argv=None) -> int:
     parser.add_argument('--whitespace', default='any,single', help='comma list from: any, single')
     parser.add_argument('--kinds', default='object,extract', help='prompt kinds: object, extract')
     parser.add_argument('--no-prompt-ids', action='store_true',
-                        help='context lookups see the output only (the series passes no prompt ids yet)')
+                        help='context lookups see the output only (the series passes the prompt ids at prefill)')
     parser.add_argument('--no-handwritten', action='store_true', help='leave out the 22 hand-written schemas')
     parser.add_argument('--quick', action='store_true',
                         help='2 schemas of 4 categories, 96 new tokens, non-spec and grammar k=8, whitespace any')
