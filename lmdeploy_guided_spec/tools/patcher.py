@@ -524,6 +524,19 @@ def series_path(lmdeploy_version: str, patches_root: Path | None = None) -> Path
     return root / f'{PACKAGE}-{lmdeploy_version}'
 
 
+def version_key(version: str) -> tuple:
+    """Sort key of a version string in release order: ``0.9.0`` before ``0.14.0``, and ``0.14.0rc1`` before
+    ``0.14.0`` before ``0.14.0.post1``."""
+    match = re.match(r'(\d+(?:\.\d+)*)(.*)', version)
+    if match is None:
+        return ((), 0, version)
+    release = tuple(int(part) for part in match.group(1).split('.'))
+    rest = match.group(2)
+    # pre-releases (rc, a, b, dev), the final release, then post-releases
+    rank = 1 if not rest else 2 if rest.lstrip('.-_').startswith('post') else 0
+    return (release, rank, rest)
+
+
 def find_series(lmdeploy_version: str, patches_root: Path | None = None) -> Path:
     """Find the series directory ``lmdeploy-<version>/`` for an lmdeploy version.
 
@@ -554,7 +567,8 @@ def find_series(lmdeploy_version: str, patches_root: Path | None = None) -> Path
         raise SeriesError('the patch directory does not exist', path=root,
                           cause='lmdeploy-guided-spec was installed without its patch series',
                           fix=f'reinstall lmdeploy-guided-spec, or export {PATCHES_ENV}=/path/to/patches')
-    available = sorted(p.name[len(PACKAGE) + 1:] for p in root.glob(f'{PACKAGE}-*') if p.is_dir())
+    available = sorted((p.name[len(PACKAGE) + 1:] for p in root.glob(f'{PACKAGE}-*') if p.is_dir()),
+                       key=version_key)
     newest = available[-1] if available else '<a supported version>'
     raise VersionMismatchError(
         f'no patch series for lmdeploy {lmdeploy_version}; series exist for lmdeploy {", ".join(available) or "none"}',

@@ -560,3 +560,17 @@ def test_cli_check_passes_its_options(monkeypatch: pytest.MonkeyPatch):
     assert (args.steps, args.sampling, args.tokenizer, args.num_spec_tokens, args.seed, args.schema) == \
         (5, True, 'qwen3', 3, 0, None)
     assert cli.main(['check', '--tokenizer', 'gpt2']) == 2
+
+
+def test_series_versions_sort_in_release_order(tmp_path: Path):
+    """The newest series is the newest release, not the last name in string order (``0.9.0`` > ``0.18.0`` as
+    strings)."""
+    for version in ('0.9.0', '0.18.0', '0.14.0', '0.18.0rc1'):
+        (tmp_path / f'lmdeploy-{version}').mkdir()
+    with pytest.raises(patcher.VersionMismatchError) as info:
+        patcher.find_series('0.13.0', tmp_path)
+    message = str(info.value)
+    assert 'series exist for lmdeploy 0.9.0, 0.14.0, 0.18.0rc1, 0.18.0' in message
+    assert message.splitlines()[-1].endswith('pip install lmdeploy==0.18.0')
+    assert sorted(['0.14.0', '0.9.0', '1.0', '0.14.1', '0.14.0.post1'], key=patcher.version_key) == [
+        '0.9.0', '0.14.0', '0.14.0.post1', '0.14.1', '1.0']
