@@ -21,6 +21,7 @@ have produced it, so they never change the output.
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -301,6 +302,16 @@ class ForcedTokenizer:
             self._cache.clear()
         self._cache[text] = found
         return found
+
+
+#: Environment variable that turns forced drafts inside draft-model windows off (``0``).
+FORCED_DRAFTS_ENV = 'LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS'
+
+
+def forced_drafts_from_env() -> bool:
+    """Whether forced tokens replace the draft model's choices inside drafting windows: on unless
+    ``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS`` is ``0``."""
+    return os.environ.get(FORCED_DRAFTS_ENV, '1') != '0'
 
 
 def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,

@@ -37,7 +37,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
-from .forced import ForcedTokenizer
+from .forced import ForcedTokenizer, forced_drafts_from_env
 from .guess import GuessDrafts
 from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
@@ -108,7 +108,7 @@ class SpecGrammarManager:
         self._batch_matcher = xgr.BatchGrammarMatcher() if batch_fill else None
         self._vocab_maps: dict[int, DraftVocabMap] = {}
         if forced_drafts is None:
-            forced_drafts = os.environ.get('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1') != '0'
+            forced_drafts = forced_drafts_from_env()
         self.forced_drafts = forced_drafts
         self.forced_tokenizer = None
         if tokenizer is not None:

@@ -11,7 +11,6 @@ whatever the draft model chose, or, for the methods ``grammar`` and ``fsm``, dra
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .version import __version__
@@ -29,6 +28,7 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     compile in the model agent, without a limit).
     """
     from .compile import COMPILE_TIMEOUT_ENV
+    from .forced import FORCED_DRAFTS_ENV, forced_drafts_from_env
     from .guess import guess_sources_from_env
     if compile_timeout_s is None:
         compile_service = 'off (grammars compile in the model agent)'
@@ -38,11 +38,11 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         guessed = ','.join(guess_sources_from_env()) or 'off'
     except ValueError as err:
         guessed = f'invalid ({err})'
-    forced = os.environ.get('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1') != '0'
+    forced = forced_drafts_from_env()
     return {
         'compile service': compile_service,
         'whitespace': "'any' unless a response_format says 'single' or 'compact'",
-        'forced drafts in draft-model windows': 'on' if forced else 'off (LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS=0)',
+        'forced drafts in draft-model windows': 'on' if forced else f'off ({FORCED_DRAFTS_ENV}=0)',
         'guessed drafts': f'{guessed} (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)',
     }
 
