@@ -62,9 +62,11 @@ def pa():
     patch.setattr(pagedattention, 'tl_exp2', _exp2)
     patch.setattr(pagedattention, 'tanh', _tanh)
     # launch parameters of an SM90 part with few SMs: SPLIT_K = 4, so windows straddle split boundaries
-    patch.setattr(pagedattention, '_nv_cap', (9, 0))
+    # (lmdeploy 0.14 caches the capability in _nv_cap; 0.18 reads it from the device properties)
+    patch.setattr(pagedattention, '_nv_cap', (9, 0), raising=False)
     patch.setattr(pagedattention, 'get_device_props',
-                  lambda device=None: dict(multi_processor_count=4, warps_per_sm=64, blocks_per_sm=32))
+                  lambda device=None: dict(multi_processor_count=4, warps_per_sm=64, blocks_per_sm=32,
+                                           compute_capability=(9, 0)))
     yield pagedattention
     patch.undo()
 
@@ -211,10 +213,14 @@ def test_window_rows_differ_from_the_non_causal_kernel(pa):
     out, _ = _run(pa, window_len=4, num_heads=4, num_kv_heads=2)
     torch.manual_seed(0)
     out_nc, _ = _run(pa, window_len=4, num_heads=4, num_kv_heads=2, causal=False)
-    # same seed, same inputs: the last window token sees the whole cache either way, the others do not
+    # same seed, same inputs: the tokens before the last of each window see less of the cache than before
     last = torch.arange(out.size(0)) % 4 == 3
-    torch.testing.assert_close(out[last], out_nc[last])
     assert not torch.allclose(out[~last], out_nc[~last], atol=1e-2)
+    from lmdeploy import __version__
+    if __version__.startswith('0.14.'):
+        # lmdeploy 0.14's non-causal multi-token decode is full-cache attention for every token, so the last
+        # window token agrees; 0.18's differs from that (and the series leaves it as the pristine kernel computes it)
+        torch.testing.assert_close(out[last], out_nc[last])
 
 
 @pytest.mark.parametrize('window_len', [1, 4])
