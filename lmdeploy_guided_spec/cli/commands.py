@@ -57,7 +57,7 @@ def with_site(text: str, site: Path | None) -> str:
 
 def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    result = series.apply(target, series.find_series(target.version), dry_run=args.dry_run)
+    result = series.apply(target, series.select_series(target), dry_run=args.dry_run)
     for warning in result.warnings:
         report.warn(warning)
     if result.action == 'already applied':
@@ -101,12 +101,13 @@ _STATUS_FIX = {
 
 def _cmd_status(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    series_dir = series.find_series(target.version)
+    series_dir = series.select_series(target)
     found = series.status(target, series_dir)
     print(f'lmdeploy {found.installed_version} at {target.package_dir}')
     print(f'series {series_dir.name} at {series_dir}')
     if not found.version_matches:
-        report.warn(f'installed lmdeploy {found.installed_version} is not the series version {found.series_version}')
+        print(f'lmdeploy {found.installed_version} is a patch release of {found.series_version}: every file the series '
+              f'patches is byte-identical to lmdeploy {found.series_version}\'s')
     width = max([len('patch')] + [len(p.name) for p in found.patches])
     print(f'{"patch":<{width}}  state')
     for row in found.patches:
@@ -158,7 +159,7 @@ def _cmd_dev_export(args: argparse.Namespace, report: _Report) -> int:
 
 def _cmd_verify_series(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    series_dir = series.find_series(target.version)
+    series_dir = series.select_series(target)
     try:
         devseries.check_applies(series_dir, target)
     except series.PatchDoesNotApplyError as err:

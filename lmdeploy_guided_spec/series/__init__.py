@@ -5,6 +5,8 @@ By concern:
 - :mod:`.installed`: the installed lmdeploy (:class:`Target`, :func:`locate_installed`) and its wheel RECORD;
 - :mod:`.files`: the series files ``patches/lmdeploy-<version>/`` (:func:`find_series`, :func:`load_series`);
 - :mod:`.state`: what ``apply`` recorded inside the installed package, and the pristine copies;
+- :mod:`.release`: which series fits the installed version (its own, or an earlier patch release's whose
+  pre-images are byte-identical: :func:`select_series`, :func:`check_version`);
 - :mod:`.patching`: :func:`apply`, :func:`revert`, :func:`status`;
 - :mod:`.devseries`: the series as git commits (``dev-checkout``, ``dev-export``, ``verify-series``);
 - :mod:`.errors` and :mod:`.git`: the errors every part raises, and git run apart from the user's configuration.
@@ -38,7 +40,8 @@ from .files import (
 )
 from .git import git_env, git_executable
 from .installed import PACKAGE, Target, locate_installed, sha256_hex, write_atomic
-from .patching import FileStatus, PatchStatus, Result, Status, apply, check_version, patch_files, revert, status
+from .patching import FileStatus, PatchStatus, Result, Status, apply, patch_files, revert, status
+from .release import check_version, git_blob_id, is_patch_release_of, preimage_difference, select_series
 from .state import FileRecord, PatchRecord, State, effective_state, read_pristine, read_state
 
 __all__ = [
@@ -47,5 +50,6 @@ __all__ = [
     'GitNotFoundError', 'WriteError', 'Target', 'FileChange', 'Patch', 'Series', 'FileRecord', 'PatchRecord', 'State',
     'Result', 'PatchStatus', 'FileStatus', 'Status', 'default_patches_root', 'series_path', 'version_key',
     'find_series', 'load_series', 'locate_installed', 'read_state', 'effective_state', 'read_pristine', 'patch_files',
-    'check_version', 'apply', 'revert', 'status', 'sha256_hex', 'write_atomic', 'git_executable', 'git_env'
+    'check_version', 'apply', 'revert', 'status', 'sha256_hex', 'write_atomic', 'git_executable', 'git_env',
+    'git_blob_id', 'is_patch_release_of', 'preimage_difference', 'select_series'
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import COMMAND, SeriesError, VersionMismatchError
@@ -17,14 +17,21 @@ PATCHES_ENV = 'LMDEPLOY_GUIDED_SPEC_PATCHES'
 
 _PATCH_NAME = re.compile(r'^\d{4}-.+\.patch$')
 _DIFF_GIT = re.compile(r'^diff --git a/(\S+) b/(\S+)$')
+_INDEX = re.compile(r'^index ([0-9a-f]+)\.\.([0-9a-f]+)')
 
 
 @dataclass(frozen=True)
 class FileChange:
-    """One ``diff --git`` section: ``old`` is None for a created file, ``new`` is None for a deleted one."""
+    """One ``diff --git`` section: ``old`` is None for a created file, ``new`` is None for a deleted one.
+
+    ``old_blob`` and ``new_blob`` are the git blob ids of its ``index <old>..<new>`` line (full with
+    ``format-patch --full-index``; None where the line is missing, as for a pure rename); equality ignores them.
+    """
 
     old: str | None
     new: str | None
+    old_blob: str | None = field(default=None, compare=False)
+    new_blob: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,22 @@ class Series:
     def files(self) -> tuple[str, ...]:
         """Sorted union of the files the patches touch."""
         return tuple(sorted({rel for patch in self.patches for rel in patch.files}))
+
+    @property
+    def preimages(self) -> dict[str, str | None]:
+        """The files the series was made against: path -> git blob id, or None for a file it creates.
+
+        The first patch touching a path gives its pre-image; a path only ever written (created, or the target of a
+        rename) has None: it must be absent. Paths whose diff records no blob id are left out.
+        """
+        out: dict[str, str | None] = {}
+        for patch in self.patches:
+            for change in patch.changes:
+                if change.old is not None and change.old not in out and change.old_blob is not None:
+                    out[change.old] = change.old_blob
+                if change.new is not None and change.new not in out and change.old != change.new:
+                    out[change.new] = None
+        return out
 
 
 def default_patches_root() -> Path:
@@ -160,7 +183,7 @@ def find_series(lmdeploy_version: str, patches_root: Path | None = None) -> Path
 def _parse_patch(path: Path) -> Patch:
     data = path.read_bytes()
     changes: list[FileChange] = []
-    current: list[str | None] | None = None
+    current: list[str | None] | None = None  # old, new, old_blob, new_blob
     in_header = False
     for line in data.decode('utf-8', errors='replace').splitlines():
         if line.startswith('diff --git '):
@@ -170,12 +193,16 @@ def _parse_patch(path: Path) -> Patch:
                                   cause='a path with spaces or quoting; lmdeploy has none, so the patch is broken',
                                   fix='regenerate the series with `lmdeploy-guided-spec dev-export DIR`')
             if current is not None:
-                changes.append(FileChange(current[0], current[1]))
-            current = [match.group(1), match.group(2)]
+                changes.append(FileChange(*current))
+            current = [match.group(1), match.group(2), None, None]
             in_header = True
         elif current is not None and in_header:
             if line.startswith('@@') or line.startswith('GIT binary patch'):
                 in_header = False
+            elif _INDEX.match(line):
+                old_blob, new_blob = _INDEX.match(line).groups()
+                current[2] = None if set(old_blob) == {'0'} else old_blob
+                current[3] = None if set(new_blob) == {'0'} else new_blob
             elif line.startswith('new file mode'):
                 current[0] = None
             elif line.startswith('deleted file mode'):
@@ -185,7 +212,7 @@ def _parse_patch(path: Path) -> Patch:
             elif line.startswith('rename to '):
                 current[1] = line[len('rename to '):]
     if current is not None:
-        changes.append(FileChange(current[0], current[1]))
+        changes.append(FileChange(*current))
     if not changes:
         raise SeriesError(f'{path.name} contains no `diff --git` section', path=path,
                           cause='an empty or truncated patch file',

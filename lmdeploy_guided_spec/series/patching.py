@@ -24,17 +24,16 @@ from .errors import (
     PatchDoesNotApplyError,
     SeriesError,
     StateError,
-    VersionMismatchError,
     WriteError,
     _reinstall,
 )
 from .files import Patch, Series, load_series
 from .git import git_env, git_executable
 from .installed import Target, _optional_sha, _set_file, write_atomic
+from .release import check_version
 from .state import FileRecord, PatchRecord, State, _state_is_leftover, effective_state, read_pristine, read_state
 
-__all__ = ['Result', 'PatchStatus', 'FileStatus', 'Status', 'patch_files', 'check_version', 'apply', 'revert',
-           'status']
+__all__ = ['Result', 'PatchStatus', 'FileStatus', 'Status', 'patch_files', 'apply', 'revert', 'status']
 
 
 @dataclass(frozen=True)
@@ -162,15 +161,6 @@ def patch_files(files: Mapping[str, bytes | None], patches: Sequence[Patch], *,
 
 # --------------------------------------------------------------------------------------------------------------------
 # apply / revert / status
-
-
-def check_version(target: Target, series: Series) -> None:
-    """Raise :class:`VersionMismatchError` unless the installed lmdeploy is the version ``series`` targets."""
-    if target.version != series.version:
-        raise VersionMismatchError(
-            f'installed lmdeploy {target.version} does not match the patch series for lmdeploy {series.version}',
-            path=series.directory, cause='lmdeploy was upgraded or downgraded after lmdeploy-guided-spec was installed',
-            fix=f'pip install lmdeploy=={series.version}')
 
 
 def _looks_applied(target: Target, series: Series) -> bool:

@@ -11,6 +11,8 @@ import types
 from pathlib import Path
 
 import pytest
+from series_helpers import git as _git
+from series_helpers import snapshot as _snapshot
 
 from lmdeploy_guided_spec import series as tooling
 from lmdeploy_guided_spec.cli import commands as cli
@@ -24,27 +26,6 @@ SAMPLER = 'lmdeploy/pytorch/spec_decode/reject_sampler.py'
 BASE = 'lmdeploy/pytorch/spec_decode/base.py'
 GUIDED = 'lmdeploy/pytorch/spec_decode/guided.py'
 COPIED = ['lmdeploy/__init__.py', 'lmdeploy/version.py', AGENT, SAMPLER, BASE]
-
-GIT_ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith('GIT_')},
-    'GIT_CONFIG_GLOBAL': os.devnull,
-    'GIT_CONFIG_NOSYSTEM': '1',
-    'GIT_AUTHOR_NAME': 'Patch Author',
-    'GIT_AUTHOR_EMAIL': 'author@example.com',
-    'GIT_AUTHOR_DATE': '2025-03-01T12:00:00+0000',
-    'GIT_COMMITTER_NAME': 'Patch Author',
-    'GIT_COMMITTER_EMAIL': 'author@example.com',
-    'GIT_COMMITTER_DATE': '2025-03-01T12:00:00+0000',
-}
-
-
-def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(['git', *args], cwd=cwd, env=GIT_ENV, check=True, capture_output=True, text=True).stdout
-
-
-def _snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob('*')) if p.is_file()}
-
 
 def _insert_after_first_line(path: Path, line: str) -> None:
     first, rest = path.read_text().split('\n', 1)
