@@ -47,6 +47,6 @@ setup(
         ],
     },
     entry_points={
-        'console_scripts': ['lmdeploy-guided-spec=lmdeploy_guided_spec.tools.cli:main'],
+        'console_scripts': ['lmdeploy-guided-spec=lmdeploy_guided_spec.cli:main'],
     },
 )

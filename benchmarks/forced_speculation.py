@@ -275,7 +275,7 @@ def _messages(item: dict) -> list[dict]:
 
 def engine_worker(spec: dict) -> None:
     """One engine configuration in this process: every schema's request alone, greedy; prints one JSON line."""
-    from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+    from lmdeploy_guided_spec.support.harness import enable_cpu_triton
     enable_cpu_triton()
     from lmdeploy_guided_spec import cpu
     from lmdeploy_guided_spec.cpu import models

@@ -1,7 +1,7 @@
 """Output throughput of guided and unguided decoding, with and without speculation, on a CUDA GPU.
 
 Four modes per batch size (1, 8 and 32 by default), on the tiny random-weight models of
-``lmdeploy_guided_spec.tools.tiny_models`` through lmdeploy's pipeline (greedy decoding):
+``lmdeploy_guided_spec.support.tiny_models`` through lmdeploy's pipeline (greedy decoding):
 
 * ``unguided``/``guided`` non-speculative: the target alone, without and with a JSON-schema ``response_format``;
 * ``unguided``/``guided`` speculative: the same with the proposer (``eagle3`` on the tiny Llama, or
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from lmdeploy import PytorchEngineConfig, pipeline
     from lmdeploy.messages import SpeculativeConfig
 
-    from lmdeploy_guided_spec.tools import tiny_models
+    from lmdeploy_guided_spec.support import tiny_models
 
     if args.method == 'eagle3':
         target, draft = tiny_models.build_llama_target(), tiny_models.build_eagle3_draft()

@@ -120,7 +120,7 @@ def tokenizer_and_info():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from lmdeploy_guided_spec.tools import tiny_models
+    from lmdeploy_guided_spec.support import tiny_models
     path = tiny_models.build_smollm2()
     tok = AutoTokenizer.from_pretrained(str(path))
     vocab = json.loads((Path(path) / 'config.json').read_text())['vocab_size']
@@ -196,7 +196,7 @@ def drop_prompt_ids(spec_agent) -> None:
 
 def engine_worker(spec: dict) -> None:
     """Run every request of ``spec['requests']`` (a JSON file) alone, greedy; print one RESULT line."""
-    from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+    from lmdeploy_guided_spec.support.harness import enable_cpu_triton
     enable_cpu_triton()
     import torch
 

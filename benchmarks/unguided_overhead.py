@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, _sampling_inputs, enable_cpu_triton
+from lmdeploy_guided_spec.support.harness import GenRequest, SpecHarness, _sampling_inputs, enable_cpu_triton
 
 
 def main() -> int:

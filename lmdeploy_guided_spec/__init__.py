@@ -1,8 +1,9 @@
 """Grammar-constrained output together with speculative decoding: the engine-agnostic core.
 
-This package imports torch and xgrammar, never lmdeploy; the lmdeploy wiring lives in the patch series and
-the command-line tooling in :mod:`lmdeploy_guided_spec.tools`. Names load on first use, so the command-line
-tool starts without importing torch.
+This package imports torch and xgrammar, never lmdeploy; the lmdeploy wiring lives in the patch series. Beside
+the core: the series tooling (:mod:`lmdeploy_guided_spec.series`), the CPU path (:mod:`lmdeploy_guided_spec.cpu`),
+test and demo support (:mod:`lmdeploy_guided_spec.support`) and the command line (:mod:`lmdeploy_guided_spec.cli`).
+Names load on first use, so the command-line tool starts without importing torch.
 """
 import importlib
 

@@ -141,7 +141,7 @@ def activate() -> None:
     os.environ[ENV] = 'cpu'
     os.environ.setdefault('TRITON_INTERPRET', '1')
     os.environ.setdefault('LMDEPLOY_ENABLE_CHECK_ENV', '0')
-    from ..tools.harness import enable_cpu_triton
+    from ..support.harness import enable_cpu_triton
     enable_cpu_triton()
     from . import device
     device.install()

@@ -9,14 +9,14 @@
 =====================  ===========================================================================================
 
 The tiny models are random: correct inputs for correctness tests, with acceptance rates that mean nothing (see
-:mod:`lmdeploy_guided_spec.tools.tiny_models` for how their weights are steered toward finishing JSON).
+:mod:`lmdeploy_guided_spec.support.tiny_models` for how their weights are steered toward finishing JSON).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-from ..tools import tiny_models
+from ..support import tiny_models
 
 __all__ = ['MODELS', 'SPECULATIVE', 'resolve', 'is_name']
 

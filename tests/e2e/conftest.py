@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+from lmdeploy_guided_spec.support.harness import enable_cpu_triton
 
 enable_cpu_triton()
 

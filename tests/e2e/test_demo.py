@@ -11,7 +11,7 @@ from lmdeploy_guided_spec.cpu import hook
 
 
 def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, '-m', 'lmdeploy_guided_spec.tools.cli', *args], capture_output=True,
+    return subprocess.run([sys.executable, '-m', 'lmdeploy_guided_spec.cli', *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

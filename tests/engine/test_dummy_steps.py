@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmdeploy_guided_spec import testing
-from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, _model_inputs
+from lmdeploy_guided_spec.support.harness import GenRequest, SpecHarness, _model_inputs
 
 from models import PrefixLM
 

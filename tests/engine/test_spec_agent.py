@@ -5,7 +5,7 @@ import jsonschema
 import pytest
 
 from lmdeploy_guided_spec import SpecGrammarManager, testing
-from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, run_non_speculative
+from lmdeploy_guided_spec.support.harness import GenRequest, SpecHarness, run_non_speculative
 
 from grammars import INSTANCES, REGEXES, SCHEMAS, compile_regex, compile_schema, new_matcher
 from models import DraftOverMap, PrefixLM, draft_map, instance_path

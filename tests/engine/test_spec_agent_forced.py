@@ -7,7 +7,7 @@ import pytest
 
 from lmdeploy_guided_spec import FsmError, SpecGrammarManager, allocate_bitmask, testing, unpack_bitmask
 from lmdeploy_guided_spec.fsm import Fsm
-from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, run_non_speculative
+from lmdeploy_guided_spec.support.harness import GenRequest, SpecHarness, run_non_speculative
 
 from grammars import INSTANCES, SCHEMAS, new_matcher
 from models import DraftOverMap, PrefixLM, draft_map

@@ -16,7 +16,7 @@ import torch
 
 from lmdeploy_guided_spec import draft, manager, step, testing
 from lmdeploy_guided_spec.ordering import host_lists
-from lmdeploy_guided_spec.tools.harness import GenRequest, SpecHarness, run_non_speculative
+from lmdeploy_guided_spec.support.harness import GenRequest, SpecHarness, run_non_speculative
 
 from grammars import INSTANCES, SCHEMAS
 from models import DraftOverMap, PrefixLM, draft_map, instance_path

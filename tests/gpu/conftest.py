@@ -29,7 +29,7 @@ def _compiled_triton():
 
 @pytest.fixture(scope='session')
 def tiny_models() -> dict[str, Path]:
-    from lmdeploy_guided_spec.tools import tiny_models as tm
+    from lmdeploy_guided_spec.support import tiny_models as tm
     return dict(llama=tm.build_llama_target(), eagle3=tm.build_eagle3_draft(), deepseek=tm.build_deepseek_mtp_target())
 
 

@@ -1,12 +1,12 @@
-"""The command line around the patcher: serve-cpu's usage and help, the summary line, and the .pth hook."""
+"""The command line around the series tooling: serve-cpu's usage and help, the summary line, and the .pth hook."""
 import subprocess
 import sys
 
 import pytest
 
+from lmdeploy_guided_spec.cli import commands as cli
 from lmdeploy_guided_spec.cpu import __main__ as cpu_main
 from lmdeploy_guided_spec.cpu import hook
-from lmdeploy_guided_spec.tools import cli
 
 pytestmark = pytest.mark.tooling
 
@@ -25,7 +25,7 @@ def test_serve_cpu_without_a_model_prints_its_usage(capsys: pytest.CaptureFixtur
     assert 'MODEL is missing' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('command', [['-m', 'lmdeploy_guided_spec.tools.cli', 'serve-cpu', '--help'],
+@pytest.mark.parametrize('command', [['-m', 'lmdeploy_guided_spec.cli', 'serve-cpu', '--help'],
                                      ['-m', 'lmdeploy_guided_spec.cpu', 'serve', '-h']])
 def test_serve_help_prints_the_model_names_and_lmdeploys_options(command):
     result = _run(*command)
@@ -59,7 +59,7 @@ def test_install_and_uninstall_hook_write_only_the_given_site(tmp_path):
 
 def test_a_failed_check_without_errors_prints_no_summary(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture):
-    from lmdeploy_guided_spec.tools import demo
+    from lmdeploy_guided_spec.cli import demo
     monkeypatch.setattr(demo, 'main', lambda args: 1)
     assert cli.main(['demo']) == 1
     assert 'error(s)' not in capsys.readouterr().err

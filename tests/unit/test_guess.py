@@ -25,7 +25,7 @@ def _tokenizer(name):
     if name == 'smollm2':
         from transformers import AutoTokenizer
 
-        from lmdeploy_guided_spec.tools import tiny_models
+        from lmdeploy_guided_spec.support import tiny_models
         tok = AutoTokenizer.from_pretrained(str(tiny_models.build_smollm2()))
         return tok, xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152), 49152
     return testing.load_tokenizer(name), testing.tokenizer_info(name), testing.TOKENIZERS[name].model_vocab_size

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmdeploy_guided_spec.tools import tiny_models
+from lmdeploy_guided_spec.support import tiny_models
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_deepseek_target_loads_with_transformers_and_keeps_its_mtp_layer(models)
 ])
 def test_lmdeploy_loads_every_parameter(models, monkeypatch, name, kwargs, not_loaded):
     """lmdeploy's model classes (built on CPU) find every parameter in the checkpoint under the names it maps."""
-    from lmdeploy_guided_spec.tools.harness import enable_cpu_triton
+    from lmdeploy_guided_spec.support.harness import enable_cpu_triton
     enable_cpu_triton()
     import lmdeploy.pytorch.configurations.deepseek_v2 as deepseek_v2
     from lmdeploy.pytorch.config import ModelConfig

@@ -11,8 +11,12 @@ import types
 from pathlib import Path
 
 import pytest
+from series_helpers import git as _git
+from series_helpers import snapshot as _snapshot
 
-from lmdeploy_guided_spec.tools import cli, devseries, patcher
+from lmdeploy_guided_spec import series as tooling
+from lmdeploy_guided_spec.cli import commands as cli
+from lmdeploy_guided_spec.series import devseries
 from lmdeploy_guided_spec.version import __version__
 
 pytestmark = pytest.mark.tooling
@@ -23,44 +27,23 @@ BASE = 'lmdeploy/pytorch/spec_decode/base.py'
 GUIDED = 'lmdeploy/pytorch/spec_decode/guided.py'
 COPIED = ['lmdeploy/__init__.py', 'lmdeploy/version.py', AGENT, SAMPLER, BASE]
 
-GIT_ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith('GIT_')},
-    'GIT_CONFIG_GLOBAL': os.devnull,
-    'GIT_CONFIG_NOSYSTEM': '1',
-    'GIT_AUTHOR_NAME': 'Patch Author',
-    'GIT_AUTHOR_EMAIL': 'author@example.com',
-    'GIT_AUTHOR_DATE': '2025-03-01T12:00:00+0000',
-    'GIT_COMMITTER_NAME': 'Patch Author',
-    'GIT_COMMITTER_EMAIL': 'author@example.com',
-    'GIT_COMMITTER_DATE': '2025-03-01T12:00:00+0000',
-}
-
-
-def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(['git', *args], cwd=cwd, env=GIT_ENV, check=True, capture_output=True, text=True).stdout
-
-
-def _snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob('*')) if p.is_file()}
-
-
 def _insert_after_first_line(path: Path, line: str) -> None:
     first, rest = path.read_text().split('\n', 1)
     path.write_text(f'{first}\n{line}\n{rest}')
 
 
-def _write_pristine(real: patcher.Target, site: Path, paths: list[str]) -> None:
+def _write_pristine(real: tooling.Target, site: Path, paths: list[str]) -> None:
     # The running Python's lmdeploy may itself be patched (engine tests need that); take its pristine bytes.
-    for rel, data in patcher.read_pristine(real, paths, state=patcher.effective_state(real)).items():
+    for rel, data in tooling.read_pristine(real, paths, state=tooling.effective_state(real)).items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_bytes(data)
 
 
 @pytest.fixture(scope='module')
-def real() -> patcher.Target:
+def real() -> tooling.Target:
     try:
-        target = patcher.locate_installed()
-    except patcher.LocateError as err:
+        target = tooling.locate_installed()
+    except tooling.LocateError as err:
         pytest.skip(f'lmdeploy is not installed: {err.what}')
     if any(rel not in target.record for rel in COPIED):
         pytest.skip(f'lmdeploy {target.version} does not have the files this test copies')
@@ -68,7 +51,7 @@ def real() -> patcher.Target:
 
 
 @pytest.fixture(scope='module')
-def pristine_site(real: patcher.Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pristine_site(real: tooling.Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A site-packages holding real lmdeploy files and a dist-info whose RECORD lines are the real ones."""
     site = tmp_path_factory.mktemp('pristine') / 'site-packages'
     _write_pristine(real, site, COPIED)
@@ -84,7 +67,7 @@ def pristine_site(real: patcher.Target, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope='module')
-def series_root(pristine_site: Path, real: patcher.Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def series_root(pristine_site: Path, real: tooling.Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-patch series made the real way: commits on pristine sources, exported with git format-patch."""
     base = tmp_path_factory.mktemp('series')
     repo = base / 'repo'
@@ -120,12 +103,12 @@ def series_root(pristine_site: Path, real: patcher.Target, tmp_path_factory: pyt
 
 
 @pytest.fixture
-def series_dir(series_root: Path, real: patcher.Target) -> Path:
+def series_dir(series_root: Path, real: tooling.Target) -> Path:
     return series_root / f'lmdeploy-{real.version}'
 
 
 @pytest.fixture
-def broken_dir(series_root: Path, real: patcher.Target) -> Path:
+def broken_dir(series_root: Path, real: tooling.Target) -> Path:
     return series_root.parent / 'broken' / f'lmdeploy-{real.version}'
 
 
@@ -136,36 +119,36 @@ def site(pristine_site: Path, tmp_path: Path) -> Path:
     return path
 
 
-def test_series_is_read_in_order_with_created_and_deleted_files(series_dir: Path, real: patcher.Target):
-    series = patcher.load_series(series_dir)
+def test_series_is_read_in_order_with_created_and_deleted_files(series_dir: Path, real: tooling.Target):
+    series = tooling.load_series(series_dir)
     assert series.version == real.version
     assert [p.name for p in series.patches] == ['0001-feat-spec-agent-hook.patch',
                                                 '0002-feat-sampler-masked-rejection-sampling.patch']
-    assert series.patches[0].changes == (patcher.FileChange(AGENT, AGENT),)
-    assert set(series.patches[1].changes) == {patcher.FileChange(BASE, None), patcher.FileChange(None, GUIDED),
-                                              patcher.FileChange(SAMPLER, SAMPLER)}
+    assert series.patches[0].changes == (tooling.FileChange(AGENT, AGENT),)
+    assert set(series.patches[1].changes) == {tooling.FileChange(BASE, None), tooling.FileChange(None, GUIDED),
+                                              tooling.FileChange(SAMPLER, SAMPLER)}
     assert series.files == tuple(sorted([AGENT, BASE, GUIDED, SAMPLER]))
 
 
-def test_locate_reads_version_and_record_without_importing(site: Path, real: patcher.Target):
-    target = patcher.locate_installed(site)
+def test_locate_reads_version_and_record_without_importing(site: Path, real: tooling.Target):
+    target = tooling.locate_installed(site)
     assert target.version == real.version
     assert target.site_root == site
     assert all(target.is_pristine(rel) for rel in COPIED)
     assert 'lmdeploy/__pycache__/version.cpython-311.pyc' not in target.record
-    assert patcher.locate_installed().site_root == real.site_root
-    code = ('import sys; from lmdeploy_guided_spec.tools import patcher; patcher.locate_installed(); '
+    assert tooling.locate_installed().site_root == real.site_root
+    code = ('import sys; from lmdeploy_guided_spec import series; series.locate_installed(); '
             'assert "lmdeploy" not in sys.modules')
     subprocess.run([sys.executable, '-c', code], cwd=Path(__file__).parents[2], check=True)
 
 
 def test_apply_then_revert_is_byte_identical(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     before = _snapshot(site)
     old = 1_000_000_000
     os.utime(site / AGENT, (old, old))
 
-    result = patcher.apply(target, series_dir)
+    result = tooling.apply(target, series_dir)
 
     assert result.action == 'applied'
     assert set(result.files) == {AGENT, SAMPLER, GUIDED, BASE}
@@ -176,31 +159,31 @@ def test_apply_then_revert_is_byte_identical(site: Path, series_dir: Path):
     state = json.loads(target.state_file.read_text())
     assert state['format'] == 1 and state['tool_version'] == __version__
     assert state['lmdeploy_version'] == target.version
-    assert [p['name'] for p in state['patches']] == [p.name for p in patcher.load_series(series_dir).patches]
-    assert all(p['sha256'] == patcher.sha256_hex((series_dir / p['name']).read_bytes()) for p in state['patches'])
+    assert [p['name'] for p in state['patches']] == [p.name for p in tooling.load_series(series_dir).patches]
+    assert all(p['sha256'] == tooling.sha256_hex((series_dir / p['name']).read_bytes()) for p in state['patches'])
     files = {f['path']: f for f in state['files']}
-    assert files[AGENT]['patched_sha256'] == patcher.sha256_hex((site / AGENT).read_bytes())
+    assert files[AGENT]['patched_sha256'] == tooling.sha256_hex((site / AGENT).read_bytes())
     assert files[AGENT]['pristine_sha256'] == target.record[AGENT]
     assert files[GUIDED]['pristine_sha256'] is None and files[BASE]['patched_sha256'] is None
     for rel in (AGENT, SAMPLER, BASE):
         assert (target.state_dir / 'pristine' / rel).read_bytes() == before[rel]
 
-    reverted = patcher.revert(target)
+    reverted = tooling.revert(target)
 
     assert reverted.action == 'reverted'
     assert set(reverted.files) == {AGENT, SAMPLER, GUIDED, BASE}
     assert _snapshot(site) == before
     assert not target.state_dir.exists()
-    assert patcher.revert(target).action == 'nothing to revert'
+    assert tooling.revert(target).action == 'nothing to revert'
 
 
 def test_apply_twice_is_harmless(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
-    assert patcher.apply(target, series_dir).action == 'applied'
+    target = tooling.locate_installed(site)
+    assert tooling.apply(target, series_dir).action == 'applied'
     after_first = _snapshot(site)
     mtimes = {rel: (site / rel).stat().st_mtime_ns for rel in (AGENT, SAMPLER, GUIDED)}
 
-    again = patcher.apply(target, series_dir)
+    again = tooling.apply(target, series_dir)
 
     assert again.action == 'already applied' and again.files == ()
     assert _snapshot(site) == after_first
@@ -209,36 +192,36 @@ def test_apply_twice_is_harmless(site: Path, series_dir: Path):
 
 def test_dry_run_writes_nothing(site: Path, series_dir: Path):
     before = _snapshot(site)
-    result = patcher.apply(patcher.locate_installed(site), series_dir, dry_run=True)
+    result = tooling.apply(tooling.locate_installed(site), series_dir, dry_run=True)
     assert result.action == 'would apply' and set(result.files) == {AGENT, SAMPLER, GUIDED, BASE}
     assert _snapshot(site) == before
 
 
-def test_refuses_version_mismatch(site: Path, series_dir: Path, real: patcher.Target):
+def test_refuses_version_mismatch(site: Path, series_dir: Path, real: tooling.Target):
     metadata = next(site.glob('lmdeploy-*.dist-info')) / 'METADATA'
     metadata.write_text(metadata.read_text().replace(f'Version: {real.version}', 'Version: 0.13.0'))
     before = _snapshot(site)
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     assert target.version == '0.13.0'
 
-    with pytest.raises(patcher.VersionMismatchError) as info:
-        patcher.apply(target, series_dir)
+    with pytest.raises(tooling.VersionMismatchError) as info:
+        tooling.apply(target, series_dir)
 
     message = str(info.value)
     assert '0.13.0' in message and f'lmdeploy {real.version}' in message
     assert message.splitlines()[-1].endswith(f'pip install lmdeploy=={real.version}')
     assert _snapshot(site) == before
-    with pytest.raises(patcher.VersionMismatchError, match=f'series exist for lmdeploy {real.version}'):
-        patcher.find_series('0.13.0', series_dir.parent)
+    with pytest.raises(tooling.VersionMismatchError, match=f'series exist for lmdeploy {real.version}'):
+        tooling.find_series('0.13.0', series_dir.parent)
 
 
-def test_refuses_file_that_is_not_pristine_and_writes_nothing(site: Path, series_dir: Path, real: patcher.Target):
+def test_refuses_file_that_is_not_pristine_and_writes_nothing(site: Path, series_dir: Path, real: tooling.Target):
     with (site / SAMPLER).open('a') as f:
         f.write('# local edit\n')
     before = _snapshot(site)
 
-    with pytest.raises(patcher.NotPristineError) as info:
-        patcher.apply(patcher.locate_installed(site), series_dir)
+    with pytest.raises(tooling.NotPristineError) as info:
+        tooling.apply(tooling.locate_installed(site), series_dir)
 
     assert SAMPLER in str(info.value) and AGENT not in str(info.value)
     fix = f'pip install --force-reinstall --no-deps lmdeploy=={real.version}'
@@ -247,13 +230,13 @@ def test_refuses_file_that_is_not_pristine_and_writes_nothing(site: Path, series
 
 
 def test_patched_files_without_state_are_recognised(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
-    patcher.apply(target, series_dir)
+    target = tooling.locate_installed(site)
+    tooling.apply(target, series_dir)
     shutil.rmtree(target.state_dir)
     patched = _snapshot(site)
 
-    with pytest.raises(patcher.NotPristineError, match='look patched by this series without a state file'):
-        patcher.apply(target, series_dir)
+    with pytest.raises(tooling.NotPristineError, match='look patched by this series without a state file'):
+        tooling.apply(target, series_dir)
     assert _snapshot(site) == patched
 
 
@@ -263,110 +246,110 @@ def test_temporary_directory_inside_a_git_repository(site: Path, series_dir: Pat
     repo.mkdir()
     _git(repo, 'init', '-q')
     monkeypatch.setattr(tempfile, 'tempdir', str(repo))
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     before = _snapshot(site)
 
-    assert patcher.apply(target, series_dir).action == 'applied'
+    assert tooling.apply(target, series_dir).action == 'applied'
     assert '# guided: the agent hands grammar state' in (site / AGENT).read_text()
-    patcher.revert(target)
+    tooling.revert(target)
     assert _snapshot(site) == before
     assert _git(repo, 'status', '--porcelain') == ''
 
 
 def test_second_patch_failing_writes_nothing(site: Path, broken_dir: Path):
     before = _snapshot(site)
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
 
-    with pytest.raises(patcher.PatchDoesNotApplyError) as info:
-        patcher.apply(target, broken_dir)
+    with pytest.raises(tooling.PatchDoesNotApplyError) as info:
+        tooling.apply(target, broken_dir)
 
     assert '0002-' in info.value.what
     assert 'patch does not apply' in info.value.stderr
     assert _snapshot(site) == before
     assert not target.state_dir.exists()
-    with pytest.raises(patcher.PatchDoesNotApplyError):
+    with pytest.raises(tooling.PatchDoesNotApplyError):
         devseries.check_applies(broken_dir, target)
 
 
 def test_revert_refuses_file_modified_after_apply(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     before = _snapshot(site)
-    patcher.apply(target, series_dir)
+    tooling.apply(target, series_dir)
     with (site / AGENT).open('a') as f:
         f.write('# edited after apply\n')
     edited = _snapshot(site)
 
-    with pytest.raises(patcher.ModifiedSinceApplyError) as info:
-        patcher.revert(target)
+    with pytest.raises(tooling.ModifiedSinceApplyError) as info:
+        tooling.revert(target)
     assert AGENT in str(info.value) and str(info.value).rstrip().endswith('revert --force  (discards those edits)')
     assert _snapshot(site) == edited
-    with pytest.raises(patcher.ModifiedSinceApplyError):
-        patcher.apply(target, series_dir)
+    with pytest.raises(tooling.ModifiedSinceApplyError):
+        tooling.apply(target, series_dir)
 
-    forced = patcher.revert(target, force=True)
+    forced = tooling.revert(target, force=True)
     assert any(AGENT in w for w in forced.warnings)
     assert _snapshot(site) == before
 
 
 def test_status_follows_apply_edit_and_revert(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
 
-    found = patcher.status(target, series_dir)
+    found = tooling.status(target, series_dir)
     assert found.overall == 'not applied' and found.state_file is None
     assert {p.state for p in found.patches} == {'not applied'}
     assert {f.path: f.state for f in found.files} == dict.fromkeys([AGENT, BASE, GUIDED, SAMPLER], 'pristine')
 
-    patcher.apply(target, series_dir)
-    found = patcher.status(target, series_dir)
+    tooling.apply(target, series_dir)
+    found = tooling.status(target, series_dir)
     assert found.overall == 'applied' and found.state_file == target.state_file
     assert {p.state for p in found.patches} == {'applied'}
     assert {f.state for f in found.files} == {'patched'}
 
     (site / SAMPLER).write_text('rewritten\n')
-    found = patcher.status(target, series_dir)
+    found = tooling.status(target, series_dir)
     assert found.overall == 'modified'
     assert {f.path: f.state for f in found.files}[SAMPLER] == 'modified'
     assert {f.path: f.state for f in found.files}[AGENT] == 'patched'
 
-    patcher.revert(target, force=True)
-    assert patcher.status(target, series_dir).overall == 'not applied'
+    tooling.revert(target, force=True)
+    assert tooling.status(target, series_dir).overall == 'not applied'
 
 
 def test_changed_series_is_stale_and_must_be_reverted_first(site: Path, series_dir: Path, tmp_path: Path):
-    target = patcher.locate_installed(site)
-    patcher.apply(target, series_dir)
+    target = tooling.locate_installed(site)
+    tooling.apply(target, series_dir)
     edited = tmp_path / 'patches' / series_dir.name
     shutil.copytree(series_dir, edited)
     first = sorted(edited.glob('0001-*.patch'))[0]
     first.write_text(first.read_text().replace('Category: wiring only.', 'Category: wiring only, reworded.'))
 
-    found = patcher.status(target, edited)
+    found = tooling.status(target, edited)
     assert found.overall == 'stale'
     assert [p.state for p in found.patches] == ['stale', 'applied']
-    with pytest.raises(patcher.OtherSeriesAppliedError, match='revert && lmdeploy-guided-spec apply'):
-        patcher.apply(target, edited)
+    with pytest.raises(tooling.OtherSeriesAppliedError, match='revert && lmdeploy-guided-spec apply'):
+        tooling.apply(target, edited)
 
-    patcher.revert(target)
-    assert patcher.apply(target, edited).action == 'applied'
+    tooling.revert(target)
+    assert tooling.apply(target, edited).action == 'applied'
 
 
 def test_reinstall_over_a_patched_copy_is_recovered(site: Path, series_dir: Path, pristine_site: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     before = _snapshot(site)
-    patcher.apply(target, series_dir)
+    tooling.apply(target, series_dir)
     for rel in COPIED:  # what `pip install --force-reinstall` rewrites; it leaves guided.py and the state behind
         shutil.copy2(pristine_site / rel, site / rel)
 
-    assert patcher.status(target, series_dir).overall == 'partially applied'
-    result = patcher.apply(target, series_dir)
+    assert tooling.status(target, series_dir).overall == 'partially applied'
+    result = tooling.apply(target, series_dir)
     assert result.action == 'applied' and result.warnings
-    assert patcher.status(target, series_dir).overall == 'applied'
-    patcher.revert(target)
+    assert tooling.status(target, series_dir).overall == 'applied'
+    tooling.revert(target)
     assert _snapshot(site) == before
 
 
 def test_dev_checkout_then_export_reproduces_the_series(site: Path, series_dir: Path, tmp_path: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     work = devseries.checkout(tmp_path / 'work', target, series_dir)
 
     log = _git(work, 'log', '--format=%s', 'pristine..HEAD').splitlines()
@@ -381,13 +364,13 @@ def test_dev_checkout_then_export_reproduces_the_series(site: Path, series_dir: 
     assert _snapshot(out) == _snapshot(series_dir)
 
     # The base commit comes from pristine bytes even when the installed package is patched.
-    patcher.apply(target, series_dir)
+    tooling.apply(target, series_dir)
     again = devseries.checkout(tmp_path / 'again', target, series_dir)
     assert _git(again, 'rev-parse', 'pristine') == _git(work, 'rev-parse', 'pristine')
 
 
 def test_export_reports_added_removed_and_changed_patches(site: Path, series_dir: Path, tmp_path: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     work = devseries.checkout(tmp_path / 'work', target, series_dir)
     before = _snapshot(series_dir)
     names = sorted(before)
@@ -421,19 +404,19 @@ def test_export_reports_added_removed_and_changed_patches(site: Path, series_dir
 
 
 def test_check_applies_on_pristine_sources(site: Path, series_dir: Path):
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     devseries.check_applies(series_dir, target)
-    patcher.apply(target, series_dir)
+    tooling.apply(target, series_dir)
     devseries.check_applies(series_dir, target)  # pristine copies come from the state directory
 
 
-def test_shipped_series_applies_and_reverts_byte_identically(real: patcher.Target, tmp_path: Path,
+def test_shipped_series_applies_and_reverts_byte_identically(real: tooling.Target, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(patcher.PATCHES_ENV, raising=False)
-    series_dir = patcher.series_path(real.version)
-    if not series_dir.is_dir() or not patcher.load_series(series_dir).patches:
+    monkeypatch.delenv(tooling.PATCHES_ENV, raising=False)
+    series_dir = tooling.series_path(real.version)
+    if not series_dir.is_dir() or not tooling.load_series(series_dir).patches:
         pytest.skip(f'no shipped patch series for lmdeploy {real.version}')
-    series = patcher.load_series(series_dir)
+    series = tooling.load_series(series_dir)
     site = tmp_path / 'site-packages'
     copied = sorted({'lmdeploy/__init__.py'} | {rel for rel in series.files if rel in real.record})
     _write_pristine(real, site, copied)
@@ -442,13 +425,13 @@ def test_shipped_series_applies_and_reverts_byte_identically(real: patcher.Targe
     shutil.copy2(real.dist_info / 'METADATA', dist_info / 'METADATA')
     lines = [line for line in (real.dist_info / 'RECORD').read_text().splitlines() if line.split(',')[0] in copied]
     (dist_info / 'RECORD').write_text('\n'.join(lines) + '\n')
-    target = patcher.locate_installed(site)
+    target = tooling.locate_installed(site)
     before = _snapshot(site)
 
-    assert patcher.apply(target, series_dir).action == 'applied'
-    assert patcher.status(target, series_dir).overall == 'applied'
+    assert tooling.apply(target, series_dir).action == 'applied'
+    assert tooling.status(target, series_dir).overall == 'applied'
     assert all(not target.is_pristine(rel) for rel in series.files)
-    assert patcher.revert(target).action == 'reverted'
+    assert tooling.revert(target).action == 'reverted'
     assert _snapshot(site) == before
 
 
@@ -458,7 +441,7 @@ def test_shipped_series_applies_and_reverts_byte_identically(real: patcher.Targe
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, series_root: Path) -> pytest.MonkeyPatch:
-    monkeypatch.setenv(patcher.PATCHES_ENV, str(series_root))
+    monkeypatch.setenv(tooling.PATCHES_ENV, str(series_root))
     return monkeypatch
 
 
@@ -506,7 +489,7 @@ def test_cli_fix_hints_keep_the_site(site: Path, env, capsys: pytest.CaptureFixt
     assert cli.main(['revert', '--force', '--site', str(site)]) == 0
 
 
-def test_cli_exit_codes_on_refusals(site: Path, env, series_root: Path, real: patcher.Target, pristine_site: Path,
+def test_cli_exit_codes_on_refusals(site: Path, env, series_root: Path, real: tooling.Target, pristine_site: Path,
                                     capsys: pytest.CaptureFixture, tmp_path: Path):
     with (site / SAMPLER).open('a') as f:
         f.write('# local edit\n')
@@ -516,11 +499,11 @@ def test_cli_exit_codes_on_refusals(site: Path, env, series_root: Path, real: pa
     clean = tmp_path / 'clean'
     shutil.copytree(site, clean)
     shutil.copy2(pristine_site / SAMPLER, clean / SAMPLER)
-    env.setenv(patcher.PATCHES_ENV, str(series_root.parent / 'broken'))
+    env.setenv(tooling.PATCHES_ENV, str(series_root.parent / 'broken'))
     assert cli.main(['apply', '--site', str(clean)]) == 5
     assert 'patch does not apply' in capsys.readouterr().err
     assert cli.main(['verify-series', '--site', str(clean)]) == 1
-    env.setenv(patcher.PATCHES_ENV, str(series_root))
+    env.setenv(tooling.PATCHES_ENV, str(series_root))
     assert cli.main(['verify-series', '--site', str(clean)]) == 0
     with env.context() as no_git:
         no_git.setenv('PATH', str(tmp_path / 'no-git-here'))
@@ -552,9 +535,9 @@ def test_cli_dev_workflow(site: Path, env, series_root: Path, tmp_path: Path, ca
 
 def test_cli_check_passes_its_options(monkeypatch: pytest.MonkeyPatch):
     seen = []
-    fake = types.ModuleType('lmdeploy_guided_spec.tools.check')
+    fake = types.ModuleType('lmdeploy_guided_spec.cli.check')
     fake.main = lambda args: seen.append(args) or 0
-    monkeypatch.setitem(sys.modules, 'lmdeploy_guided_spec.tools.check', fake)
+    monkeypatch.setitem(sys.modules, 'lmdeploy_guided_spec.cli.check', fake)
     assert cli.main(['check', '--steps', '5', '--sampling', '--tokenizer', 'qwen3']) == 0
     (args,) = seen
     assert (args.steps, args.sampling, args.tokenizer, args.num_spec_tokens, args.seed, args.schema) == \
@@ -567,10 +550,10 @@ def test_series_versions_sort_in_release_order(tmp_path: Path):
     strings)."""
     for version in ('0.9.0', '0.18.0', '0.14.0', '0.18.0rc1'):
         (tmp_path / f'lmdeploy-{version}').mkdir()
-    with pytest.raises(patcher.VersionMismatchError) as info:
-        patcher.find_series('0.13.0', tmp_path)
+    with pytest.raises(tooling.VersionMismatchError) as info:
+        tooling.find_series('0.13.0', tmp_path)
     message = str(info.value)
     assert 'series exist for lmdeploy 0.9.0, 0.14.0, 0.18.0rc1, 0.18.0' in message
     assert message.splitlines()[-1].endswith('pip install lmdeploy==0.18.0')
-    assert sorted(['0.14.0', '0.9.0', '1.0', '0.14.1', '0.14.0.post1'], key=patcher.version_key) == [
+    assert sorted(['0.14.0', '0.9.0', '1.0', '0.14.1', '0.14.0.post1'], key=tooling.version_key) == [
         '0.9.0', '0.14.0', '0.14.0.post1', '0.14.1', '1.0']

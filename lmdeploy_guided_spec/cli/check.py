@@ -2,7 +2,7 @@
 
 Runs lmdeploy's own ``SpecModelAgent``, proposers (``deepseek_mtp``, ``eagle3``), ``GuidedDecodingManager``,
 ``FusedLogitsProcessor`` and ``RejectionSampler`` (Triton kernels under the interpreter) with a real tokenizer and
-a JSON schema; only the networks are scripted (see :mod:`lmdeploy_guided_spec.tools.harness`). The scripted
+a JSON schema; only the networks are scripted (see :mod:`lmdeploy_guided_spec.support.harness`). The scripted
 target prefers one valid instance of the schema with noise; the draft is a noisier copy, so some drafts are
 accepted and some rejected. Prints what every step did and checks the result against the schema and against
 lmdeploy's guided decoding without speculation.
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .harness import GenRequest, StepRecord, enable_cpu_triton
+from ..support.harness import GenRequest, StepRecord, enable_cpu_triton
 
 DEFAULT_SCHEMA = {
     'type': 'object',
@@ -60,7 +60,7 @@ def _fmt(tokenizer, ids) -> str:
 
 
 def _run_method(method: str, args, tokenizer, vocab_size: int, schema: dict, path: list[int]) -> bool:
-    from .harness import SpecHarness, run_non_speculative
+    from ..support.harness import SpecHarness, run_non_speculative
 
     torch.manual_seed(args.seed)
     target = _ScriptedLM(vocab_size, path, bias=9.0, seed=args.seed + 1)

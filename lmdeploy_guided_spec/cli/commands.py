@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import series
+from ..series import COMMAND, PatchError, devseries
 from ..version import __version__
-from . import devseries, patcher
-from .patcher import COMMAND, PatchError
 
 __all__ = ['main', 'build_parser']
 
@@ -39,8 +39,8 @@ class _Report:
         print(f'finished with {self.warnings} warning(s), {self.errors} error(s)', file=sys.stderr)
 
 
-def _target(args: argparse.Namespace) -> patcher.Target:
-    return patcher.locate_installed(args.site)
+def _target(args: argparse.Namespace) -> series.Target:
+    return series.locate_installed(args.site)
 
 
 #: The commands that work on one lmdeploy installation and so take ``--site``.
@@ -57,7 +57,7 @@ def with_site(text: str, site: Path | None) -> str:
 
 def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    result = patcher.apply(target, patcher.find_series(target.version), dry_run=args.dry_run)
+    result = series.apply(target, series.select_series(target), dry_run=args.dry_run)
     for warning in result.warnings:
         report.warn(warning)
     if result.action == 'already applied':
@@ -79,7 +79,7 @@ def _cmd_apply(args: argparse.Namespace, report: _Report) -> int:
 
 def _cmd_revert(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    result = patcher.revert(target, force=args.force)
+    result = series.revert(target, force=args.force)
     for warning in result.warnings:
         report.warn(warning)
     if result.action == 'nothing to revert':
@@ -101,12 +101,13 @@ _STATUS_FIX = {
 
 def _cmd_status(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    series_dir = patcher.find_series(target.version)
-    found = patcher.status(target, series_dir)
+    series_dir = series.select_series(target)
+    found = series.status(target, series_dir)
     print(f'lmdeploy {found.installed_version} at {target.package_dir}')
     print(f'series {series_dir.name} at {series_dir}')
     if not found.version_matches:
-        report.warn(f'installed lmdeploy {found.installed_version} is not the series version {found.series_version}')
+        print(f'lmdeploy {found.installed_version} is a patch release of {found.series_version}: every file the series '
+              f'patches is byte-identical to lmdeploy {found.series_version}\'s')
     width = max([len('patch')] + [len(p.name) for p in found.patches])
     print(f'{"patch":<{width}}  state')
     for row in found.patches:
@@ -124,9 +125,9 @@ def _cmd_status(args: argparse.Namespace, report: _Report) -> int:
 
 def _cmd_dev_checkout(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    series_dir = patcher.series_path(target.version)
+    series_dir = series.series_path(target.version)
     workdir = devseries.checkout(args.dir, target, series_dir)
-    count = len(patcher.load_series(series_dir).patches) if series_dir.is_dir() else 0
+    count = len(series.load_series(series_dir).patches) if series_dir.is_dir() else 0
     print(f'checked out pristine lmdeploy {target.version} with {count} patch commit(s) at {workdir}')
     drift = devseries.export(workdir, series_dir, dry_run=True)
     if drift:
@@ -139,7 +140,7 @@ def _cmd_dev_checkout(args: argparse.Namespace, report: _Report) -> int:
 
 def _cmd_dev_export(args: argparse.Namespace, report: _Report) -> int:
     version = devseries.checkout_version(args.dir)
-    series_dir = patcher.series_path(version)
+    series_dir = series.series_path(version)
     changes = devseries.export(args.dir, series_dir, dry_run=args.dry_run)
     if not changes:
         print(f'{series_dir} is up to date with {Path(args.dir).absolute()}')
@@ -158,13 +159,13 @@ def _cmd_dev_export(args: argparse.Namespace, report: _Report) -> int:
 
 def _cmd_verify_series(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
-    series_dir = patcher.find_series(target.version)
+    series_dir = series.select_series(target)
     try:
         devseries.check_applies(series_dir, target)
-    except patcher.PatchDoesNotApplyError as err:
+    except series.PatchDoesNotApplyError as err:
         report.error(str(err))
         return 1
-    count = len(patcher.load_series(series_dir).patches)
+    count = len(series.load_series(series_dir).patches)
     print(f'ok: the {count} patch(es) of {series_dir.name} apply in order to pristine lmdeploy {target.version}')
     return 0
 

@@ -14,7 +14,7 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import NamedTuple
 
-from .patcher import (
+from . import (
     COMMAND,
     PACKAGE,
     PatchDoesNotApplyError,
