@@ -1,4 +1,4 @@
-"""Run lmdeploy 0.14.0's own PyTorch engine (patched by the series) on the CPU: for tests, CI and the demo.
+"""Run lmdeploy's own PyTorch engine (0.14.0 patched by the series, or 0.18.0) on the CPU: for tests, CI and the demo.
 
 This is not part of the patch series: it is applied at run time, to the process that calls :func:`activate` and,
 through ``LMDEPLOY_GUIDED_SPEC_DEVICE=cpu`` and a ``.pth`` hook (:mod:`.hook`), to every Python process lmdeploy
@@ -7,10 +7,10 @@ proposers, guided decoding and samplers run unchanged; what the CPU path replace
 :func:`replacements` and in docs/en/cpu.md:
 
 - lmdeploy's ``cuda`` device means the CPU (:mod:`.device`): tensors, streams, events, memory queries;
-- lmdeploy's backend selector returns :class:`.backend.CpuOpsBackend`: torch kernels for attention and MoE,
-  lmdeploy's default torch layers for the rest, eager execution;
-- the rejection sampler's three Triton kernels run as torch functions of the same inputs and outputs
-  (:mod:`.kernels`); any other Triton kernel lmdeploy launches runs under the Triton interpreter;
+- lmdeploy's backend selector returns the ``CpuOpsBackend`` of the installed lmdeploy's backend module
+  (:func:`backend_module`: :mod:`.lmdeploy_0_14` or :mod:`.lmdeploy_0_18`): torch kernels for attention and MoE
+  (:mod:`.kernels`), lmdeploy's default torch layers for the rest, eager execution, and a torch rejection
+  sampler; any other Triton kernel lmdeploy launches runs under the Triton interpreter;
 - models compute in float32 (``LMDEPLOY_GUIDED_SPEC_CPU_DTYPE``: ``float32``, ``bfloat16``, ``float16`` or
   ``auto`` for lmdeploy's own choice);
 - the default rotary embedding runs without ``torch.compile`` (its first CPU compile takes seconds);
@@ -24,15 +24,47 @@ proposers, guided decoding and samplers run unchanged; what the CPU path replace
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
-__all__ = ['activate', 'active', 'replacements', 'ENV', 'DTYPE_ENV']
+__all__ = ['activate', 'active', 'replacements', 'backend_module', 'lmdeploy_series', 'ENV', 'DTYPE_ENV',
+           'BACKEND_MODULES']
 
 #: Set to ``cpu`` to run lmdeploy on the CPU in this process and in every Python process started from it.
 ENV = 'LMDEPLOY_GUIDED_SPEC_DEVICE'
 #: Compute dtype of the CPU path.
 DTYPE_ENV = 'LMDEPLOY_GUIDED_SPEC_CPU_DTYPE'
 
+#: The backend module of each supported lmdeploy release line (``major.minor``).
+BACKEND_MODULES = {'0.14': 'lmdeploy_0_14', '0.18': 'lmdeploy_0_18'}
+
 _active = False
+
+
+def lmdeploy_series(version: str | None = None) -> str:
+    """The release line (``major.minor``) of ``version``, by default of the installed lmdeploy."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+        try:
+            version = dist_version('lmdeploy')
+        except PackageNotFoundError:
+            import lmdeploy
+            version = lmdeploy.__version__
+    return '.'.join(version.split('.')[:2])
+
+
+def backend_module(version: str | None = None) -> ModuleType:
+    """The CPU path's backend module for the installed lmdeploy (or for ``version``).
+
+    Raises ``RuntimeError`` naming the supported versions when there is none.
+    """
+    import importlib
+    series = lmdeploy_series(version)
+    name = BACKEND_MODULES.get(series)
+    if name is None:
+        raise RuntimeError(f'the CPU path supports lmdeploy {", ".join(f"{v}.x" for v in BACKEND_MODULES)}, '
+                           f'not {version or series}')
+    return importlib.import_module(f'.{name}', __name__)
 
 
 def active() -> bool:
@@ -57,8 +89,7 @@ def _patch_selector() -> None:
     def _get_backend():
         from lmdeploy.pytorch.devices import get_device_manager
         if get_device_manager().current_context().device_type == 'cuda':
-            from .backend import CpuOpsBackend
-            return CpuOpsBackend
+            return backend_module().CpuOpsBackend
         return original()
 
     _get_backend.__lmdeploy_guided_spec_cpu__ = True
@@ -92,18 +123,6 @@ def _patch_rotary() -> None:
     rotary_embedding._rotary_embedding_fwd = getattr(fwd, '__wrapped__', fwd)
 
 
-def _patch_rejection_sampler() -> None:
-    from lmdeploy.pytorch.spec_decode import reject_sampler
-
-    from . import kernels
-    for name, fn in (('rejection_greedy_sample_kernel', kernels.rejection_greedy_sample),
-                     ('rejection_random_sample_kernel', kernels.rejection_random_sample),
-                     ('sample_recovered_tokens_kernel', kernels.sample_recovered_tokens)):
-        current = getattr(reject_sampler, name)
-        if not isinstance(current, kernels.TorchLaunch):
-            setattr(reject_sampler, name, kernels.TorchLaunch(fn, replaced=current))
-
-
 def _patch_env_check() -> None:
     from lmdeploy.pytorch import envs
     envs.enable_check_env = False
@@ -112,20 +131,15 @@ def _patch_env_check() -> None:
 def replacements() -> dict[str, list[str]]:
     """What the CPU path replaces, by kind (for reports and the docs)."""
     from . import device, engine
-    from .backend import CPU_OPS, TORCH_OPS
     return {
         'device arguments redirected to the CPU': [f'torch.{n}' for n in device.REDIRECTED_FACTORIES]
         + ['Tensor.to', 'Tensor.new_*', 'Tensor.cuda', 'Tensor.pin_memory', 'Tensor.record_stream', 'Module.cuda'],
         'torch.cuda calls with CPU equivalents': [f'torch.cuda.{n}' for n in device.REPLACED_CUDA_CALLS],
-        'ops with torch kernels (lmdeploy implementation classes kept)': [op.name for op in CPU_OPS],
-        "ops from lmdeploy's default torch backend": [op.name for op in TORCH_OPS],
+        **backend_module().replaced(),
         'lmdeploy functions wrapped': ['lmdeploy.pytorch.backends.selector._get_backend',
                                        'lmdeploy.pytorch.config._update_torch_dtype',
                                        'lmdeploy.pytorch.backends.default.rotary_embedding._rotary_embedding_fwd '
                                        '(without torch.compile)'],
-        "Triton kernels launched by lmdeploy's rejection sampler, as torch": [
-            'reject_sampler.rejection_greedy_sample_kernel', 'reject_sampler.rejection_random_sample_kernel',
-            'reject_sampler.sample_recovered_tokens_kernel'],
         'other lmdeploy settings': ['lmdeploy.pytorch.envs.enable_check_env (off)'],
         "lmdeploy's engine start (defaults, KV cache sizing, the api_server's engine process)": engine.replaced(),
         "lmdeploy's multiprocess executor (tp > 1 over gloo)": [
@@ -148,8 +162,8 @@ def activate() -> None:
     _patch_selector()
     _patch_dtype()
     _patch_rotary()
-    _patch_rejection_sampler()
     _patch_env_check()
+    backend_module().install()
     from . import engine, ranks
     engine.install()
     ranks.install()

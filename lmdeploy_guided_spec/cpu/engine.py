@@ -75,13 +75,14 @@ def _patch_cache_sizing() -> None:
         return
     update_configs = ExecutorBase.update_configs
 
-    def _get_runtime_size(self, free_mems, cache_block_size, vocab_size):
+    def _get_runtime_size(self, *args, **kwargs):
+        # (free_mems, cache_block_size(s), vocab_size): 0.18 passes per-rank cache plans
         config = self.cache_config
         asked = config.max_prefill_token_num
         try:
             while True:
                 try:
-                    return runtime_size(self, free_mems, cache_block_size, vocab_size)
+                    return runtime_size(self, *args, **kwargs)
                 except RuntimeError as err:
                     if NO_MEMORY not in str(err) or config.max_prefill_token_num <= 1:
                         raise

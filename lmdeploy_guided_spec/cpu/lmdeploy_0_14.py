@@ -1,7 +1,7 @@
-"""The CPU op backend lmdeploy's backend selector hands out on the CPU path.
+"""The CPU path's backend for lmdeploy 0.14: the op backend the selector hands out, and the rejection sampler.
 
-It subclasses lmdeploy's ``CudaOpsBackend``, so the attention metadata, the step-context update and everything
-not listed here stay lmdeploy's own. What changes:
+The op backend subclasses lmdeploy's ``CudaOpsBackend``, so the attention metadata, the step-context update and
+everything not listed here stay lmdeploy's own. What changes:
 
 - paged attention: lmdeploy's ``TritonAttentionImpl`` (its own cache filling and prefill/decoding dispatch) with
   its four Triton kernels swapped for the torch implementations in :mod:`.kernels`;
@@ -9,6 +9,9 @@ not listed here stay lmdeploy's own. What changes:
 - every other layer the CUDA backend builds with Triton (RMS norm, rotary embedding, SiLU-and-mul, multinomial
   sampling, the noaux-tc router) comes from lmdeploy's torch ``DefaultOpsBackend``;
 - no CUDA graphs: the plain eager ``GraphRunner``, which captures nothing and so warms up no batch sizes.
+
+The rejection sampler (``lmdeploy/pytorch/spec_decode/reject_sampler.py``) launches three Triton kernels; their
+torch equivalents in :mod:`.kernels` are launched instead (:func:`install`).
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ from lmdeploy.pytorch.backends.cuda.attention import TritonAttentionBuilder
 from lmdeploy.pytorch.backends.cuda.attention.default import TritonAttentionImpl
 from lmdeploy.pytorch.backends.cuda.op_backend import CudaOpsBackend
 from lmdeploy.pytorch.backends.default import DefaultOpsBackend
-from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from . import kernels
+from .backend_common import CpuAttentionKernels, CpuBackendMixin, CpuFusedMoEForward, CpuGraphRunner
 
-__all__ = ['CpuOpsBackend', 'CpuAttentionImpl', 'CpuAttentionBuilder', 'CpuGraphRunner', 'TORCH_OPS', 'CPU_OPS']
+__all__ = ['CpuOpsBackend', 'CpuAttentionImpl', 'CpuAttentionBuilder', 'CpuGraphRunner', 'TORCH_OPS', 'CPU_OPS',
+           'install', 'replaced']
 
 #: Layers built by lmdeploy's torch ``DefaultOpsBackend`` instead of the CUDA backend's Triton builders.
 TORCH_OPS = (OpType.RMSNorm, OpType.ApplyRotaryEmb, OpType.SiluAndMul, OpType.MultinomialSampling,
@@ -31,15 +35,8 @@ TORCH_OPS = (OpType.RMSNorm, OpType.ApplyRotaryEmb, OpType.SiluAndMul, OpType.Mu
 CPU_OPS = (OpType.PagedAttention, OpType.FusedMoE)
 
 
-class CpuAttentionImpl(TritonAttentionImpl):
+class CpuAttentionImpl(CpuAttentionKernels, TritonAttentionImpl):
     """lmdeploy's Triton attention layer with its kernels (fill, paged decode, flatten, varlen prefill) in torch."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fill_kv_cache = kernels.fill_kv_cache
-        self.paged_attention_fwd = kernels.flash_attn_with_kvcache
-        self.flatten_kv_cache = kernels.flatten_kv_cache
-        self.flash_attention_fwd = kernels.flash_attn_varlen_func
 
 
 class CpuAttentionBuilder(TritonAttentionBuilder):
@@ -71,32 +68,14 @@ class CpuFusedMoEBuilder:
         if ep_size > 1:
             raise NotImplementedError('the CPU path has no expert parallelism')
 
-        class CpuFusedMoEImpl(cuda_moe.TritonFusedMoEImpl):
-
-            def forward(self, hidden_states, topk_weights, topk_ids, gate_up_weights, down_weights,
-                        gate_up_bias=None, down_bias=None, expert_list=None, act_func=None):
-                expert_offset = 0 if expert_list is None or len(expert_list) == self.num_experts else expert_list[0]
-                return kernels.fused_moe(hidden_states, gate_up_weights, down_weights, topk_weights=topk_weights,
-                                         topk_ids=topk_ids, topk=self.top_k, w1_bias=gate_up_bias,
-                                         w2_bias=down_bias, expert_offset=expert_offset,
-                                         renormalize=self.renormalize, act_func=act_func)
+        class CpuFusedMoEImpl(CpuFusedMoEForward, cuda_moe.TritonFusedMoEImpl):
+            pass
 
         return CpuFusedMoEImpl(top_k, num_experts, renormalize)
 
 
-class CpuGraphRunner(GraphRunner):
-    """Eager execution; there are no graphs to capture, so warmup decodes no batch sizes."""
-
-    def get_capture_batch_sizes(self) -> list[int]:
-        return []
-
-
-class CpuOpsBackend(CudaOpsBackend):
+class CpuOpsBackend(CpuBackendMixin, CudaOpsBackend):
     """lmdeploy's CUDA op backend with torch kernels and eager execution, for CPU tensors."""
-
-    @staticmethod
-    def get_name() -> str:
-        return 'cpu'
 
     @classmethod
     def get_layer_impl_builder(cls, layer_type: OpType):
@@ -108,18 +87,29 @@ class CpuOpsBackend(CudaOpsBackend):
             return DefaultOpsBackend.get_layer_impl_builder(layer_type)
         raise NotImplementedError(f'{layer_type} has no CPU implementation')
 
-    @staticmethod
-    def build_graph_runner(model, model_config, cache_config, backend_config, device):
-        return CpuGraphRunner(model, model_config, cache_config, backend_config, device)
 
-    @staticmethod
-    def device_count():
-        return 1
+def _patch_rejection_sampler() -> None:
+    from lmdeploy.pytorch.spec_decode import reject_sampler
 
-    @staticmethod
-    def support_ray():
-        return False
+    for name, fn in (('rejection_greedy_sample_kernel', kernels.rejection_greedy_sample),
+                     ('rejection_random_sample_kernel', kernels.rejection_random_sample),
+                     ('sample_recovered_tokens_kernel', kernels.sample_recovered_tokens)):
+        current = getattr(reject_sampler, name)
+        if not isinstance(current, kernels.TorchLaunch):
+            setattr(reject_sampler, name, kernels.TorchLaunch(fn, replaced=current))
 
-    @staticmethod
-    def ccl_backend() -> str:
-        return 'gloo'
+
+def install() -> None:
+    """What lmdeploy 0.14 needs beyond the shared CPU path (idempotent): the rejection sampler's kernels."""
+    _patch_rejection_sampler()
+
+
+def replaced() -> dict[str, list[str]]:
+    """What this module replaces, by kind (for :func:`lmdeploy_guided_spec.cpu.replacements`)."""
+    return {
+        'ops with torch kernels (lmdeploy implementation classes kept)': [op.name for op in CPU_OPS],
+        "ops from lmdeploy's default torch backend": [op.name for op in TORCH_OPS],
+        "Triton kernels launched by lmdeploy's rejection sampler, as torch": [
+            'reject_sampler.rejection_greedy_sample_kernel', 'reject_sampler.rejection_random_sample_kernel',
+            'reject_sampler.sample_recovered_tokens_kernel'],
+    }
