@@ -39,9 +39,13 @@ class SparseRows:
     disallowed_flat: torch.Tensor
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
-        """Set disallowed logits to ``-inf`` in place; ``logits`` is ``(rows, vocab_size)``."""
-        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
-            raise ValueError(f'SparseRows address logits (rows, {self.vocab_size}), got {tuple(logits.shape)}')
+        """Set disallowed logits to ``-inf`` in place; ``logits`` is ``(rows, vocab_size)``, or narrower where
+        the grammar's vocabulary has tokens past the model's (they do not exist in the logits)."""
+        if logits.dim() != 2 or logits.shape[1] > self.vocab_size:
+            raise ValueError(f'SparseRows address logits (rows, {self.vocab_size}) or narrower, got '
+                             f'{tuple(logits.shape)}')
+        if logits.shape[1] < self.vocab_size:
+            return self.narrowed(logits.shape[1]).apply_(logits)
         if not logits.is_contiguous():
             dense = logits.contiguous()
             logits.copy_(self.apply_(dense))
@@ -56,6 +60,16 @@ class SparseRows:
         if self.disallowed_flat.numel():
             flat.index_fill_(0, self.disallowed_flat.to(device), float('-inf'))
         return logits
+
+    def narrowed(self, width: int) -> SparseRows:
+        """The same masks for logits rows of ``width < vocab_size`` tokens (the tokens past them dropped)."""
+
+        def rebase(flat: torch.Tensor) -> torch.Tensor:
+            row, token = flat // self.vocab_size, flat % self.vocab_size
+            keep = token < width
+            return row[keep] * width + token[keep]
+
+        return SparseRows(width, self.few_allowed_rows, rebase(self.allowed_flat), rebase(self.disallowed_flat))
 
     @staticmethod
     def concat(parts: Sequence[SparseRows]) -> SparseRows:

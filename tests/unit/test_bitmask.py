@@ -98,3 +98,26 @@ def test_sparse_rows_apply_like_the_bitmask(vocab__covered):
         expected = logits.clone()
         expected[rows] = apply_bitmask_(logits[rows].clone(), bitmask)
         assert torch.equal(first.apply_(logits.clone()), expected)
+
+
+@pytest.mark.parametrize('vocab__width', [(128257, 128256), (1000, 977)])
+def test_sparse_rows_apply_to_logits_narrower_than_the_grammar_vocabulary(vocab__width):
+    """lmdeploy 0.18 widens the grammar's vocabulary to ``len(tokenizer)`` (added tokens past the model's
+    vocabulary); the logits keep the model's width. Masks of the wider vocabulary apply to the narrower logits as
+    the dense bitmask does: tokens past the logits do not exist there."""
+    from lmdeploy_guided_spec.sparse import sparse_rows
+    vocab, width = vocab__width
+    allowed = torch.rand(4, vocab) < 0.5
+    allowed[0] = False
+    allowed[0, [3, width - 1, vocab - 1]] = True   # few allowed, one of them past the logits
+    allowed[1] = True
+    allowed[1, [5, vocab - 1]] = False              # few disallowed, one of them past the logits
+    bitmask = pack_bool_mask(allowed)
+    logits = torch.randn(6, width)
+    rows = [0, 2, 3, 5]
+    expected = logits.clone()
+    expected[rows] = apply_bitmask_(logits[rows].clone(), bitmask)
+    got = sparse_rows(bitmask, rows, vocab).apply_(logits.clone())
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match='address logits'):
+        sparse_rows(bitmask, rows, vocab).apply_(torch.randn(6, vocab + 1))
