@@ -363,6 +363,8 @@ class FsmMatcher:
         """Write the allowed tokens into row ``index`` of an int32 CPU bitmask; returns True (the mask applies)."""
         row = self.fsm.allowed_words(self.state, self.terminated)
         bitmask[index, :row.shape[0]] = torch.from_numpy(row.view(np.int32))
+        # a bitmask of a wider vocabulary (the tokenizer's, past the model's): no token past the FSM's exists
+        bitmask[index, row.shape[0]:] = 0
         return True
 
     def is_terminated(self) -> bool:

@@ -271,3 +271,20 @@ def test_builder_chains_new_states_and_validates(tmp_path):
     assert not (tmp_path / 'bad.json').exists()
     with pytest.raises(FsmError, match='no token ids'):
         b.chain(0, [])
+
+
+def test_a_grammar_vocabulary_wider_than_the_fsms_allows_nothing_past_it():
+    """lmdeploy 0.18 widens the grammar vocabulary to ``len(tokenizer)`` (past the model's vocabulary, which the FSM
+    has): the FSM's masks in those wider bitmasks allow no token past its vocabulary, so its single edges stay
+    forced drafts."""
+    vocab = 1024  # a whole number of 32-token words: the wider bitmask has a word the FSM does not write
+    fsm = _fsm(vocab_size=vocab)
+    wide = vocab + 1
+    m = fsm.matcher()
+    bitmask = allocate_bitmask(1, wide)
+    m.fill_next_token_bitmask(bitmask, 0)
+    assert set(unpack_bitmask(bitmask, wide)[0].nonzero().flatten().tolist()) == {10}
+    sessions = FsmSessions(fsm)
+    manager = SpecGrammarManager(wide, sparse_masks=False)
+    drafts = manager.propose(sessions.matchers([7]), 1, 3, session_ids=[7])
+    assert drafts[0, :2].tolist() == [10, 11]
