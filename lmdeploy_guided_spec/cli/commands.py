@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import series
-from ..series import COMMAND, PatchError, devseries
+from ..series import COMMAND, PatchError, devport, devseries
 from ..version import __version__
 
 __all__ = ['main', 'build_parser']
@@ -157,6 +157,37 @@ def _cmd_dev_export(args: argparse.Namespace, report: _Report) -> int:
     return 0
 
 
+def _cmd_dev_port(args: argparse.Namespace, report: _Report) -> int:
+    target = _target(args)
+    new_dir = series.series_path(target.version)
+    if new_dir.is_dir() and any(new_dir.glob('*.patch')):
+        raise devseries.DevSeriesError(f'lmdeploy {target.version} has a series already', path=new_dir,
+                                       fix=f'edit it in a checkout: {COMMAND} dev-checkout DIR')
+    old_dir = series.find_series(args.from_version)
+    count = len(series.load_series(old_dir).patches)
+    print(f'porting {old_dir.name} ({count} patch(es)) to lmdeploy {target.version} in {Path(args.dir).absolute()}')
+    result = devport.port(args.dir, target, old_dir, args.from_sources, keep_going=args.keep_going,
+                          progress=lambda p: print(f'  {p.state:<8} {p.name}'
+                                                   + (f'  ({", ".join(p.files)})' if p.files else '')))
+    states = [p.state for p in result.patches]
+    print(', '.join(f'{states.count(s)} {s}' for s in ('applied', 'empty', 'conflict', 'pending') if s in states))
+    workdir = result.workdir
+    if result.stopped:
+        stop = next(p for p in result.patches if p.state == 'conflict')
+        report.error(f'{stop.name} conflicts; the checkout is mid-cherry-pick at {workdir}; to fix: resolve the '
+                     f'conflicts in {", ".join(stop.files)}, `git add` them and run `git cherry-pick --continue` '
+                     f'there (git goes on with the remaining patches, stopping at each conflict); then '
+                     f'{COMMAND} dev-export {workdir}')
+        return 1
+    skipped = [p for p in result.patches if p.state == 'conflict']
+    if skipped:
+        report.warn(f'{len(skipped)} patch(es) conflict and were left out; port each by hand in {workdir}: '
+                    + '; '.join(f'git cherry-pick {p.commit}  ({p.name})' for p in skipped))
+    print(f'the new series is in the commits after the `{devseries.PRISTINE_TAG}` tag; review them, then run: '
+          f'{COMMAND} dev-export {workdir}')
+    return 0
+
+
 def _cmd_verify_series(args: argparse.Namespace, report: _Report) -> int:
     target = _target(args)
     series_dir = series.select_series(target)
@@ -251,6 +282,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('dir', type=Path, metavar='DIR', help='a checkout made by dev-checkout')
     p.add_argument('--dry-run', action='store_true', help='write nothing; exit 1 and list stale patches on a change')
     p.set_defaults(handler=_cmd_dev_export)
+
+    p = sub.add_parser('dev-port', parents=[site],
+                       help='start the series of the installed lmdeploy from the series of an older version: a '
+                       'checkout with that series cherry-picked (three-way) onto the pristine sources')
+    p.add_argument('--from', dest='from_version', required=True, metavar='VERSION',
+                   help='the lmdeploy version whose series to port, e.g. 0.14.0')
+    p.add_argument('--from-sources', type=Path, required=True, metavar='PATH',
+                   help="that version's pristine lmdeploy, the merge bases: its wheel (.whl) or a directory holding "
+                   'lmdeploy/')
+    p.add_argument('--keep-going', action='store_true',
+                   help='leave out a patch that conflicts and go on (default: stop there, mid-cherry-pick)')
+    p.add_argument('dir', type=Path, metavar='DIR', help='new directory for the checkout')
+    p.set_defaults(handler=_cmd_dev_port)
 
     p = sub.add_parser('verify-series', parents=[site],
                        help='check that the series applies to the pristine sources (git apply --check)')

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import NamedTuple
@@ -80,12 +80,32 @@ def _git_ok(args: Sequence[str], cwd: Path, *, extra_env: dict[str, str] | None 
     return proc.stdout
 
 
+def _binary_suffixes() -> tuple[str, ...]:
+    """File endings of compiled extensions, which the checkouts leave out (as the lmdeploy repository does)."""
+    return tuple(EXTENSION_SUFFIXES) + ('.so', '.pyd', '.dll', '.dylib')
+
+
 def _source_paths(target: Target, series: Series) -> list[str]:
     """Every lmdeploy file of the wheel except compiled extensions, plus the series' targets that RECORD lists."""
-    binary = tuple(EXTENSION_SUFFIXES) + ('.so', '.pyd', '.dll', '.dylib')
+    binary = _binary_suffixes()
     paths = {rel for rel in target.record if rel.startswith(f'{PACKAGE}/') and not rel.endswith(binary)}
     paths |= {rel for rel in series.files if rel in target.record}
     return sorted(paths)
+
+
+def _commit_pristine(workdir: Path, version: str, sources: Mapping[str, bytes | None]) -> None:
+    """Write ``sources`` into the (empty) work tree of ``workdir`` and commit them with the fixed identity and date,
+    so that the same files give the same commit on every machine."""
+    for rel, data in sources.items():
+        if data is not None:
+            (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / rel).write_bytes(data)
+    (workdir / '.git' / 'info').mkdir(exist_ok=True)
+    (workdir / '.git' / 'info' / 'exclude').write_text('__pycache__/\n*.pyc\n')
+    _git_ok(['add', '-A'], workdir)
+    message = (f'lmdeploy {version} pristine sources\n\nThe files of the lmdeploy {version} wheel, '
+               'verified against its RECORD.\n')
+    _git_ok(['commit', '-q', '--no-verify', '-m', message], workdir, extra_env=_BASE_IDENTITY)
 
 
 def checkout(workdir: Path, target: Target, series_dir: Path) -> Path:
@@ -134,18 +154,9 @@ def checkout(workdir: Path, target: Target, series_dir: Path) -> Path:
     check_version(target, series)
     sources = read_pristine(target, _source_paths(target, series), state=effective_state(target))
     workdir.mkdir(parents=True, exist_ok=True)
-    for rel, data in sources.items():
-        if data is not None:
-            (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (workdir / rel).write_bytes(data)
     _git_ok(['init', '-q', '-b', 'main'], workdir)
     _git_ok(['config', _VERSION_KEY, target.version], workdir)
-    (workdir / '.git' / 'info').mkdir(exist_ok=True)
-    (workdir / '.git' / 'info' / 'exclude').write_text('__pycache__/\n*.pyc\n')
-    _git_ok(['add', '-A'], workdir)
-    message = (f'lmdeploy {target.version} pristine sources\n\nThe files of the lmdeploy {target.version} wheel, '
-               'verified against its RECORD.\n')
-    _git_ok(['commit', '-q', '--no-verify', '-m', message], workdir, extra_env=_BASE_IDENTITY)
+    _commit_pristine(workdir, target.version, sources)
     _git_ok(['tag', PRISTINE_TAG], workdir)
     if series.patches:
         committer = {k: v for k, v in _BASE_IDENTITY.items() if k.startswith('GIT_COMMITTER_')}
@@ -208,6 +219,10 @@ def export(workdir: Path, series_dir: Path, *, dry_run: bool = False) -> list[Se
     if any((workdir / '.git' / name).exists() for name in ('rebase-apply', 'rebase-merge')):
         raise DevSeriesError('a `git am` or `git rebase` is in progress in the checkout', path=workdir,
                              fix=f'cd {workdir} && git am --continue  (or git rebase --continue), then export again')
+    if any((workdir / '.git' / name).exists() for name in ('CHERRY_PICK_HEAD', 'sequencer')):
+        raise DevSeriesError('a `git cherry-pick` is in progress in the checkout', path=workdir,
+                             fix=f'cd {workdir} && git cherry-pick --continue  (after resolving and `git add`), '
+                             'then export again')
     if _git(['rev-parse', '-q', '--verify', f'refs/tags/{PRISTINE_TAG}'], workdir).returncode != 0:
         raise DevSeriesError(f'the checkout has no `{PRISTINE_TAG}` tag', path=workdir,
                              fix=f'{COMMAND} dev-checkout <new dir>')

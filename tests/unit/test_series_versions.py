@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from series_helpers import snapshot as _snapshot
 
 from lmdeploy_guided_spec import series as tooling
 from lmdeploy_guided_spec.cli import commands as cli
-from lmdeploy_guided_spec.series import devseries
+from lmdeploy_guided_spec.series import devport, devseries
 
 pytestmark = pytest.mark.tooling
 
@@ -155,3 +156,87 @@ def test_the_cli_applies_a_patch_release_and_says_so(tmp_path: Path, patches: Pa
     assert 'applied lmdeploy-0.1.0 (3 patch(es)) to lmdeploy 0.1.1' in out
     assert 'lmdeploy 0.1.1 is a patch release of 0.1.0' in out and out.splitlines()[-1] == 'overall: applied'
     assert cli.main(['revert', '--site', str(site)]) == 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# dev-port
+
+
+def _new_files() -> dict[str, str]:
+    """lmdeploy 0.2.0: a.py changed away from the series' edit (0001 ports), b.py changed where 0002 edits (a
+    conflict), c.py still absent (0003 ports)."""
+    return {'lmdeploy/__init__.py': "__version__ = '0.2.0'\n", 'lmdeploy/a.py': _lines('a', 14, a11="'upstream'"),
+            'lmdeploy/b.py': _lines('b', b6="'upstream'"), 'lmdeploy/d.py': 'D = 1\n'}
+
+
+@pytest.fixture
+def ported(tmp_path: Path, patches: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fake lmdeploy 0.2.0 installed, the 0.1.0 wheel (a zip), and the patches root in a scratch copy."""
+    root = tmp_path / 'patches'
+    (root / 'lmdeploy-0.1.0').mkdir(parents=True)
+    for patch in (patches / 'lmdeploy-0.1.0').glob('*.patch'):
+        (root / 'lmdeploy-0.1.0' / patch.name).write_bytes(patch.read_bytes())
+    monkeypatch.setenv(tooling.PATCHES_ENV, str(root))
+    wheel = tmp_path / 'lmdeploy-0.1.0-py3-none-any.whl'
+    with zipfile.ZipFile(wheel, 'w') as z:
+        for rel, text in _old_files().items():
+            z.writestr(rel, text)
+        z.writestr('lmdeploy-0.1.0.dist-info/METADATA', 'Name: lmdeploy\nVersion: 0.1.0\n')
+    return _site(tmp_path, '0.2.0', _new_files()), wheel, root
+
+
+def test_dev_port_stops_mid_cherry_pick_and_exports_once_resolved(tmp_path: Path, ported,
+                                                                  capsys: pytest.CaptureFixture):
+    site, wheel, root = ported
+    work = tmp_path / 'port'
+    code = cli.main(['dev-port', '--site', str(site), '--from', '0.1.0', '--from-sources', str(wheel), str(work)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert out.splitlines()[1:5] == ['  applied  0001-feat-a-guided-a2.patch',
+                                     '  conflict 0002-feat-b-guided-b6.patch  (lmdeploy/b.py)',
+                                     '  pending  0003-feat-c-a-new-module.patch', '1 applied, 1 conflict, 1 pending']
+    assert 'git cherry-pick --continue' in err and f'dev-export {work}' in err
+    # the pristine commit is dev-checkout's
+    checkout = devseries.checkout(tmp_path / 'checkout', tooling.locate_installed(site), root / 'lmdeploy-0.2.0')
+    assert _git(work, 'rev-parse', 'pristine') == _git(checkout, 'rev-parse', 'pristine')
+    with pytest.raises(devseries.DevSeriesError, match='cherry-pick` is in progress'):
+        devseries.export(work, root / 'lmdeploy-0.2.0')
+    # resolve as the series meant it: the guided b6, with upstream's other lines
+    (work / 'lmdeploy/b.py').write_text(_lines('b', b6="'guided'"))
+    _git(work, 'add', 'lmdeploy/b.py')
+    _git(work, 'cherry-pick', '--continue')  # goes on with 0003
+    assert cli.main(['dev-export', str(work)]) == 0
+    names = sorted(p.name for p in (root / 'lmdeploy-0.2.0').glob('*.patch'))
+    assert names == ['0001-feat-a-guided-a2.patch', '0002-feat-b-guided-b6.patch', '0003-feat-c-a-new-module.patch']
+    target = tooling.locate_installed(site)
+    assert tooling.select_series(target, root) == root / 'lmdeploy-0.2.0'
+    assert tooling.apply(target, root / 'lmdeploy-0.2.0').action == 'applied'
+    assert (site / 'lmdeploy/a.py').read_text() == _lines('a', 14, a2="'guided'", a11="'upstream'")
+    assert (site / 'lmdeploy/b.py').read_text() == _lines('b', b6="'guided'")
+    assert (site / 'lmdeploy/c.py').read_text() == 'GUIDED = True\n'
+
+
+def test_dev_port_keep_going_leaves_conflicts_out_and_sees_changes_upstream_has(tmp_path: Path, ported,
+                                                                                capsys: pytest.CaptureFixture):
+    site, wheel, root = ported
+    new = _new_files() | {'lmdeploy/c.py': 'GUIDED = True\n'}  # upstream took 0003 as it is
+    site = _site(tmp_path / 'with-c', '0.2.0', new)
+    sources = tmp_path / 'old-site'
+    for rel, text in _old_files().items():  # a directory this time
+        (sources / rel).parent.mkdir(parents=True, exist_ok=True)
+        (sources / rel).write_text(text)
+    result = devport.port(tmp_path / 'port', tooling.locate_installed(site), root / 'lmdeploy-0.1.0', sources,
+                          keep_going=True)
+    assert [(p.name[:4], p.state) for p in result.patches] == [('0001', 'applied'), ('0002', 'conflict'),
+                                                               ('0003', 'empty')]
+    assert not result.stopped
+    assert devseries.export(result.workdir, root / 'lmdeploy-0.2.0', dry_run=True) == [
+        devseries.SeriesChange('0001-feat-a-guided-a2.patch', 'added')]
+
+
+def test_dev_port_refuses_sources_that_are_not_the_old_pristine_files(tmp_path: Path, ported):
+    site, _, root = ported
+    sources = _site(tmp_path / 'other', '0.1.1', _old_files() | {'lmdeploy/a.py': _lines('a', 13)})
+    with pytest.raises(devseries.DevSeriesError, match='not pristine lmdeploy 0.1.0: lmdeploy/a.py'):
+        devport.port(tmp_path / 'port', tooling.locate_installed(site), root / 'lmdeploy-0.1.0', sources)
+    assert not (tmp_path / 'port').exists()
