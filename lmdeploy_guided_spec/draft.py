@@ -265,25 +265,27 @@ class DraftGrammar:
         """
         return sum(row in found for found in list(self._forced))
 
-    def propose(self, filler: int = 0) -> torch.Tensor:
+    def propose(self, filler: int = 0, *, num_model_tokens: int | None = None) -> torch.Tensor:
         """Draft the whole window from the grammar alone and return the drafts ``(batch, k)`` LongTensor (waits).
 
         Each guided row drafts the tokens its grammar forces, position by position (and, with ``guesses``, guessed
         tokens where nothing is forced); at the first position with no draft it drafts a token the grammar
         disallows there, which verification always rejects, and its
         later positions are unreachable. Unguided rows draft ``filler``. Needs ``forced`` and a fresh window; the
-        masks are kept for verification as with a draft model.
+        masks are kept for verification as with a draft model. Tokens drafted to be rejected stay below
+        ``num_model_tokens`` (the model's vocabulary, where the grammar's is wider).
         """
         if not self.forced:
             raise RuntimeError('propose needs a window built with forced=True')
         if self.position != 0:
             raise RuntimeError(f'propose drafts a fresh window; this one has {self.position} draft positions')
-        self._pending = self.worker.submit(self._propose, int(filler))
+        limit = self.vocab_size if num_model_tokens is None else min(self.vocab_size, int(num_model_tokens))
+        self._pending = self.worker.submit(self._propose, int(filler), limit)
         drafts = self._pending.result()
         self.position = self.num_spec_tokens
         return drafts
 
-    def _propose(self, filler: int) -> torch.Tensor:
+    def _propose(self, filler: int, limit: int) -> torch.Tensor:
         drafts = torch.full((self.batch_size, self.num_spec_tokens), filler, dtype=torch.long)
         guesses = self.guesses() if self.guesses is not None else None
         for position in range(self.num_spec_tokens):
@@ -295,7 +297,7 @@ class DraftGrammar:
                 if guesses is not None:
                     token = guesses.choose(row, self.forks[row], self.masks[row, position], token)
                 if token is None:
-                    token = _disallowed_token(self.masks[row, position], self.vocab_size)
+                    token = _disallowed_token(self.masks[row, position], limit)
                 drafts[row, position] = filler if token is None else token
             self._advance(drafts[:, position].tolist(), position)
         if guesses is not None:

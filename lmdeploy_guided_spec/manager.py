@@ -310,14 +310,15 @@ class SpecGrammarManager:
 
     def propose(self, matchers: Matchers, batch_size: int, num_spec_tokens: int, *,
                 session_ids: Sequence[int] | None = None, filler: int = 0,
-                prompt_ids: Sequence | None = None) -> torch.Tensor:
+                prompt_ids: Sequence | None = None, num_model_tokens: int | None = None) -> torch.Tensor:
         """Drafts ``(batch_size, num_spec_tokens)`` LongTensor (CPU) from the grammars alone, with no draft model.
 
         Guided rows draft the tokens their grammar forces (:meth:`DraftGrammar.propose`); the rest of a guided row
         and every unguided row hold tokens verification rejects or a ``filler``. Waits. With ``session_ids`` the
         window's masks serve the next :meth:`verification_bitmask`, as with a draft model. Where the grammar forces
         nothing, rows draft guesses (``guess_drafts``); ``prompt_ids[row]`` (host token ids of a row's prompt, or
-        None; given at prefill) adds to the context they copy from.
+        None; given at prefill) adds to the context they copy from. ``num_model_tokens`` (the model's vocabulary,
+        where the grammar's is wider) bounds the tokens drafted to be rejected: ids past it do not exist.
         """
         if not matchers:
             return torch.full((batch_size, num_spec_tokens), int(filler), dtype=torch.long)
@@ -327,7 +328,7 @@ class SpecGrammarManager:
                               tokenizer=self.forced_tokenizer, guesses=self._guess_window(matchers, session_ids,
                                                                                          prompt_ids, num_spec_tokens))
         self._keep(window, matchers, session_ids)
-        return window.propose(filler)
+        return window.propose(filler, num_model_tokens=num_model_tokens)
 
     def _guess_window(self, matchers: Matchers, session_ids, prompt_ids, num_spec_tokens: int):
         if self.guesses is None:

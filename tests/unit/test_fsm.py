@@ -288,3 +288,17 @@ def test_a_grammar_vocabulary_wider_than_the_fsms_allows_nothing_past_it():
     manager = SpecGrammarManager(wide, sparse_masks=False)
     drafts = manager.propose(sessions.matchers([7]), 1, 3, session_ids=[7])
     assert drafts[0, :2].tolist() == [10, 11]
+
+
+def test_drafts_to_be_rejected_stay_inside_the_models_vocabulary():
+    """Past a wildcard the FSM forces nothing and every token of the model is allowed: the draft verification must
+    reject is a token the grammar disallows, and with a grammar vocabulary wider than the model's the only such
+    tokens lie past the model's embedding. Those must not be drafted (an index error in the target forward)."""
+    vocab = 1024
+    fsm = _fsm({'0': {'10': 1}, '1': {'-1': 1}}, vocab_size=vocab)
+    manager = SpecGrammarManager(vocab + 1, sparse_masks=False)
+    drafts = manager.propose(FsmSessions(fsm).matchers([7]), 1, 3, session_ids=[7], num_model_tokens=vocab)
+    assert drafts[0, 0] == 10 and (drafts < vocab).all(), drafts
+    wide = SpecGrammarManager(vocab + 1, sparse_masks=False).propose(FsmSessions(fsm).matchers([8]), 1, 3,
+                                                                     session_ids=[8])
+    assert wide[0, 1] == vocab, 'without the bound, the token past the model is the one the grammar disallows'
