@@ -214,6 +214,13 @@ class GuessWindow:
                 return self._take(state, plan[0], source)
         return None
 
+    def observe(self, row: int, token: int) -> None:
+        """A draft model's choice at a position where :meth:`choose` had no guess: read it as the row's draft."""
+        state = self.rows.get(row)
+        if state is not None:
+            state.plan.clear()
+            self._take(state, token, 'model')
+
     def finish(self) -> None:
         """Keep every row's drafts for comparison with its next commit."""
         for state in self.rows.values():

@@ -48,6 +48,16 @@ def _manager(name, guesses=True):
                               guess_drafts=guesses, sparse_masks=False)
 
 
+def _verify(manager, matchers, drafts, seq, n):
+    """The tokens a target that writes ``seq`` commits after ``n`` of them for ``drafts`` (committed)."""
+    accepted = 0
+    while accepted < len(drafts) and n + accepted < len(seq) and drafts[accepted] == seq[n + accepted]:
+        accepted += 1
+    new = drafts[:accepted] + seq[n + accepted:n + accepted + 1]
+    manager.commit(matchers, [new])
+    return new
+
+
 def _decode(manager, tokens, target, k=8, prompt=None, session=1):
     """Greedy speculative decoding against a target that writes ``tokens`` and EOS; returns the output, the target's
     sequence, the forwards and every window as (tokens committed before it, its (token, source) drafts)."""
@@ -62,12 +72,7 @@ def _decode(manager, tokens, target, k=8, prompt=None, session=1):
                                  prompt_ids=[prompt] if forwards == 1 else None)[0].tolist()
         if manager.guesses is not None:
             windows.append((len(out), list(manager.guesses.history(matcher).pending)))
-        n, accepted = len(out), 0
-        while accepted < k and n + accepted < len(seq) and drafts[accepted] == seq[n + accepted]:
-            accepted += 1
-        new = drafts[:accepted] + seq[n + accepted:n + accepted + 1]
-        manager.commit(matchers, [new])
-        out += new
+        out += _verify(manager, matchers, drafts, seq, len(out))
         forwards += 1
     manager.forget([session])
     return out, seq, forwards, windows
@@ -276,3 +281,55 @@ def test_prompt_copies_save_forwards_on_orders(real_tokenizer):
             assert out == seq
             forwards[with_prompt] += count
     assert forwards[True] < forwards[False], forwards
+
+
+def _decode_with_draft(manager, tokens, compiled, k, session):
+    """Greedy speculation through drafting windows (``begin_draft``, ``advance``) whose draft model always picks the
+    smallest token id the grammar allows; returns the output, the target's sequence and the target forwards."""
+    import torch
+    vocab = manager.vocab_size
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    matchers = {0: matcher}
+    seq = list(tokens) + [matcher.stop_token_ids[0]]
+    out = [seq[0]]
+    manager.commit(matchers, [[seq[0]]])
+    forwards = 1
+    while len(out) < len(seq):
+        window = manager.begin_draft(matchers, 1, k, session_ids=[session])
+        drafts = []
+        for _ in range(k):
+            logits = torch.zeros(1, vocab)
+            window.mask_logits_(logits)
+            token = logits.argmax(-1)
+            window.advance(token)  # forced and guessed positions are rewritten in place
+            drafts.append(int(token))
+        window.wait()
+        manager.verification_bitmask(matchers, [drafts], [session])
+        out += _verify(manager, matchers, drafts, seq, len(out))
+        forwards += 1
+    manager.forget([session])
+    return out, seq, forwards
+
+
+def test_guesses_in_draft_model_windows():
+    """window_guesses: where a guess source has a token, it is drafted in place of the draft model's choice; a weak
+    draft model then needs fewer target forwards, and the output is the same."""
+    real_tokenizer = 'llama3'
+    tok, info, vocab = _tokenizer(real_tokenizer)
+    totals = {}
+    for guesses in (False, True):
+        manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), tokenizer=tok, tokenizer_info=info,
+                                     sparse_masks=False, forced_drafts=True, window_guesses=guesses)
+        totals[guesses] = 0
+        for session, (schema, instances) in enumerate(list(INSTANCES.items())[:2]):
+            tokens = _encode(real_tokenizer, json.dumps(instances[0], indent=2))
+            out, seq, forwards = _decode_with_draft(manager, tokens, _compiled(real_tokenizer, schema), 4, session)
+            assert out == seq
+            totals[guesses] += forwards
+        stats = manager.guesses.stats
+        if guesses:
+            assert stats['format_accepted'] > 0 and stats['steps'] > 0, stats
+            assert manager.guesses.num_histories == 0
+        else:
+            assert stats['format_drafted'] == 0 and stats['lookup_drafted'] == 0, 'no guesses unless asked for'
+    assert totals[True] < 0.8 * totals[False], totals
