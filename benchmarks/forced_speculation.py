@@ -33,7 +33,10 @@ not random:
   own acceptance rate says nothing about a trained MTP or Eagle3 head.
 
 ``--whitespace-any`` adds grammar k = 8 under lmdeploy's default whitespace to the core part (its reference is a
-non-speculative run under the same grammar).
+non-speculative run under the same grammar). ``--window-guesses`` makes the core part a side-by-side of guessed
+drafts in the windows: grammar with ``k = --window-k``, and MTP / Eagle3 windows with forced drafts, without and
+with guesses in place of the draft's choice; ``--core-whitespace any`` runs the core part under lmdeploy's default
+whitespace, where guesses have the most to do.
 
 Tokens per forward counts every output token (EOS included) over every target forward (prefill included). Wall
 times are seconds on this machine with one torch thread (the other core runs the grammar worker); they include
@@ -389,7 +392,7 @@ def engine_part(args) -> tuple[float, bool]:
         names = list(TINY_RUNS)
         identical &= engine_table('tiny random models (acceptance means nothing beyond forced drafts), tokens per '
                                   'target forward (wall seconds)', tiny, [names[:3], names[3:]])[1]
-    tokens, forwards, _ = totals['grammar k=8']
+    tokens, forwards, _ = totals['grammar k=8' if 'grammar k=8' in totals else names[1]]
     return tokens / forwards, identical
 
 
@@ -403,6 +406,11 @@ def main(argv=None) -> int:
     parser.add_argument('--window-k', type=int, default=4, help='draft tokens of the mtp / eagle3 windows')
     parser.add_argument('--no-windows', action='store_true', help='skip the mtp / eagle3 windows')
     parser.add_argument('--whitespace-any', action='store_true', help='also grammar k=8 under whitespace any')
+    parser.add_argument('--window-guesses', action='store_true',
+                        help='core part: grammar, and the mtp / eagle3 windows with forced drafts, with and without '
+                        'guesses in place of the draft model\'s choice (SpecGrammarManager window_guesses)')
+    parser.add_argument('--core-whitespace', choices=list(WHITESPACE), default='single',
+                        help='whitespace of the core part')
     parser.add_argument('--threads', type=int, default=1,
                         help='torch threads (default 1: the other core is the grammar worker\'s)')
     parser.add_argument('--part', choices=['both', 'engine', 'core'], default='both',
@@ -447,14 +455,27 @@ def core_part(args) -> tuple[float, bool]:
     draft = CachedLM(draft_model)
     draft_ids = torch.arange(min(args.draft_vocab, vocab))
 
-    def manager(forced: bool) -> SpecGrammarManager:
-        return SpecGrammarManager(vocab, tokenizer=tok, tokenizer_info=info, forced_drafts=forced)
+    def manager(forced: bool, guesses: bool = False) -> SpecGrammarManager:
+        return SpecGrammarManager(vocab, tokenizer=tok, tokenizer_info=info, forced_drafts=forced,
+                                  window_guesses=guesses)
 
     methods = {
         'grammar k=4': Speculative(manager(True), target, 4, eos),
         'grammar k=8': Speculative(manager(True), target, 8, eos),
     }
-    if not args.no_windows:
+    whitespace = args.core_whitespace
+    if args.window_guesses:
+        # guesses in place of the draft model's choice, against forced drafts alone
+        k = args.window_k
+        methods = {
+            f'grammar k={k}': Speculative(manager(True), target, k, eos),
+            f'mtp k={k} +forced': Speculative(manager(True), target, k, eos, draft=draft),
+            f'mtp k={k} +guesses': Speculative(manager(True, True), target, k, eos, draft=draft),
+            f'eagle3 k={k} +forced': Speculative(manager(True), target, k, eos, draft=draft, draft_ids=draft_ids),
+            f'eagle3 k={k} +guesses': Speculative(manager(True, True), target, k, eos, draft=draft,
+                                                  draft_ids=draft_ids),
+        }
+    elif not args.no_windows:
         k = args.window_k
         methods.update({
             f'mtp k={k}': Speculative(manager(False), target, k, eos, draft=draft),
@@ -465,7 +486,7 @@ def core_part(args) -> tuple[float, bool]:
 
     items = _schemas(args.schemas)
     print(f'target SmolLM2-135M-Instruct (vocab {vocab}), greedy, fp32, {torch.get_num_threads()} torch threads; '
-          f'{len(items)} schemas, whitespace single, max {args.max_new_tokens} new tokens')
+          f'{len(items)} schemas, whitespace {whitespace}, max {args.max_new_tokens} new tokens')
     if not args.no_windows:
         print(f'draft windows: SmolLM2 first {args.draft_layers} layers; eagle3 draft vocabulary = first '
               f'{len(draft_ids)} ids')
@@ -474,7 +495,7 @@ def core_part(args) -> tuple[float, bool]:
     identical: dict[str, bool] = {}
     for item in items:
         prompt = tok.apply_chat_template(_messages(item), add_generation_prompt=True, tokenize=True)
-        compiled = compiler.compile_json_schema(json.dumps(item['schema']), **WHITESPACE['single'])
+        compiled = compiler.compile_json_schema(json.dumps(item['schema']), **WHITESPACE[whitespace])
         runs = {'non-spec': non_speculative(target, prompt, compiled, vocab, eos, args.max_new_tokens)}
         for name, method in methods.items():
             runs[name] = method.run(prompt, compiled, args.max_new_tokens)
@@ -493,7 +514,7 @@ def core_part(args) -> tuple[float, bool]:
 
     totals = print_table('tokens per target forward (wall seconds)', names, columns, identical)
     print(f'\nwall time against non-speculative: {wall_ratios(totals, names)}')
-    tokens, forwards, _ = totals['grammar k=8']
+    tokens, forwards, _ = totals['grammar k=8' if 'grammar k=8' in totals else names[1]]
     return tokens / forwards, all(identical.values())
 
 

@@ -111,6 +111,9 @@ class DraftGrammar:
     guesses : callable, optional
         Called on the worker when :meth:`propose` starts: a :class:`GuessWindow` that drafts guesses (the request's
         formatting, text from its context) where the grammar forces nothing.
+    guess_in_window : bool, default: False
+        With a draft model: call ``guesses`` when the window starts, and at every draft position where a guess
+        source has a token, :meth:`advance` drafts it in place of the draft model's choice (as a forced token).
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -118,7 +121,8 @@ class DraftGrammar:
                  session_ids: Sequence[int] | None = None, pin_memory: bool = False,
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
                  sparse: SparseMaskBuilder | None = None, forced: bool = False,
-                 tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None):
+                 tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None,
+                 guess_in_window: bool = False):
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -135,6 +139,12 @@ class DraftGrammar:
         self.guesses = guesses
         # per draft position: {row: the token the grammar forces there}
         self._forced: list[dict[int, int]] = []
+        # with guesses in a draft model's window: the window's guesses, and per draft position {row: guessed token}
+        # (forced ones excluded) and the rows that took the draft model's choice
+        self.guess_in_window = guess_in_window and guesses is not None and forced
+        self._window_guesses: GuessWindow | None = None
+        self._guessed: list[dict[int, int]] = []
+        self._model_rows: list[set[int]] = []
         self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
                                       pin_memory=pin_memory).view(batch_size, num_spec_tokens + 1, -1)
         self.forks: dict[int, xgr.GrammarMatcher] = {}
@@ -154,6 +164,8 @@ class DraftGrammar:
         self.forks = {row: matchers[row].fork() for row in self.rows}
         # a committed matcher that accepted a stop token gives no mask: its request ends
         self.dead.update(row for row, fork in self.forks.items() if has_ended(fork))
+        if self.guess_in_window:
+            self._window_guesses = self.guesses()
         self._fill(0)
 
     def _fill(self, position: int) -> None:
@@ -181,6 +193,21 @@ class DraftGrammar:
                 if token is not None:
                     found[row] = token
             self._forced.append(found)
+            if self._window_guesses is not None:
+                self._guess_position(position, live, found)
+        elif self._window_guesses is not None and position == self.num_spec_tokens:
+            self._window_guesses.finish()
+
+    def _guess_position(self, position: int, live: list[int], found: dict[int, int]) -> None:
+        guessed, model = {}, set()
+        for row in live:
+            token = self._window_guesses.choose(row, self.forks[row], self.masks[row, position], found.get(row))
+            if token is None:
+                model.add(row)
+            elif token != found.get(row):
+                guessed[row] = token
+        self._guessed.append(guessed)
+        self._model_rows.append(model)
 
     def _advance(self, token_ids, position: int, ready: Ready | None = None) -> None:
         rows = host_lists(token_ids, ready)
@@ -189,6 +216,8 @@ class DraftGrammar:
                 continue
             token = int(_first(rows[row]))
             self.drafts[row].append(token)
+            if self._window_guesses is not None and row in self._model_rows[position]:
+                self._window_guesses.observe(row, token)
             fork = self.forks[row]
             # the request ends at a drafted stop token, whether the fork accepts it (and ends) or not
             if token in stop_tokens(fork) or not fork.accept_token(token):
@@ -242,8 +271,11 @@ class DraftGrammar:
         position = self.position
         if self.forced:
             self.wait()
-            if position < len(self._forced) and self._forced[position]:
-                _override(token_ids, self._forced[position])
+            overrides = self._forced[position] if position < len(self._forced) else {}
+            if position < len(self._guessed) and self._guessed[position]:
+                overrides = {**overrides, **self._guessed[position]}
+            if overrides:
+                _override(token_ids, overrides)
                 # the override is queued on the current stream, after the kernel that chose the ids: the worker
                 # reads after the override
                 ready = record_ready(token_ids) or ready

@@ -77,6 +77,39 @@ def _has_word(data: bytes) -> bool:
     return any(48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122 or b >= 0x80 for b in data)
 
 
+#: Bytes where a value copied into a JSON string ends: a quote (the source's string ends too), a line break, and
+#: the punctuation prose puts after a name or a figure.
+VALUE_END_BYTES = frozenset(b'"\n:;,()[]{}')
+_NUMBER_BYTES = frozenset(b'0123456789+-.eE')
+
+
+def _value_end(found: bytes, layout: JsonLayout, last: int | None) -> int | None:
+    """Where the value the output is writing ends in copied text ``found``: the offset of the first byte that does
+    not belong to it, or None when it runs to the end of ``found``.
+
+    In a string (``layout.in_string``) the value ends at a quote, a line break, a sentence's full stop or the
+    punctuation of :data:`VALUE_END_BYTES`: what the copy's source writes after it is prose or another JSON value,
+    while the output closes its string. Outside a string (a number) it ends at the first byte a number does not
+    hold (a full stop only before a digit); ``last`` is the output's last byte, so a number is being written when
+    it is a digit.
+    """
+    if layout.in_string:
+        if layout.escape:
+            return None
+        for index, byte in enumerate(found):
+            if byte in VALUE_END_BYTES or byte == 0x5C:
+                return index if byte != 0x5C else None
+            if byte == 0x2E and (index + 1 == len(found) or found[index + 1] in WHITESPACE):
+                return index
+        return None
+    if layout.run or last is None or not 48 <= last <= 57:
+        return None
+    for index, byte in enumerate(found):
+        if byte not in _NUMBER_BYTES or (byte == 0x2E and not found[index + 1:index + 2].isdigit()):
+            return index
+    return None
+
+
 class RequestHistory:
     """What one guided request wrote: prompt and output bytes, its layout, its whitespace, its guess acceptance."""
 
@@ -104,6 +137,9 @@ class RequestHistory:
     def verified(self, tokens: Sequence[int], stats: Counter) -> None:
         """Compare the last window's drafts with the tokens committed after it; update rates and ``stats``."""
         drafts, self.pending = self.pending, None
+        if drafts is None:
+            return
+        stats['steps'] += 1
         if not drafts:
             return
         accepted = 0
@@ -171,12 +207,19 @@ class GuessWindow:
         for source in self.guesses.sources:
             if state.used[source] >= state.budgets[source]:
                 continue
-            plan = self._format_plan(state, fork) if source == 'format' else self._lookup_plan(state)
+            plan = self._format_plan(state, fork) if source == 'format' else self._lookup_plan(state, fork)
             if plan and token_allowed(mask_row, plan[0]):
                 state.plan = deque(plan[1:])
                 state.source = source
                 return self._take(state, plan[0], source)
         return None
+
+    def observe(self, row: int, token: int) -> None:
+        """A draft model's choice at a position where :meth:`choose` had no guess: read it as the row's draft."""
+        state = self.rows.get(row)
+        if state is not None:
+            state.plan.clear()
+            self._take(state, token, 'model')
 
     def finish(self) -> None:
         """Keep every row's drafts for comparison with its next commit."""
@@ -193,9 +236,10 @@ class GuessWindow:
         return token
 
     # -- formatting ---------------------------------------------------------------------------------------------
-    def _format_text(self, state: _Row, fork) -> bytes:
-        """Whitespace as the request writes it and the text the grammar forces around it, from the fork's state."""
-        layout = state.layout.copy()
+    def _format_text(self, state: _Row, fork, layout: JsonLayout | None = None) -> bytes:
+        """Whitespace as the request writes it and the text the grammar forces around it, from the fork's state
+        (and ``layout``, the row's by default)."""
+        layout = (state.layout if layout is None else layout).copy()
         if layout.in_string:
             return b''
         probe = fork.fork()
@@ -244,9 +288,9 @@ class GuessWindow:
         return list(self.guesses.tokenizer.tokenize(text)[0])
 
     # -- context lookup -----------------------------------------------------------------------------------------
-    def _lookup_text(self, state: _Row) -> tuple[bytes, bool]:
-        """Context that followed the longest recent suffix of the output elsewhere, and whether it reaches the end
-        of its source."""
+    def _lookup_text(self, state: _Row) -> tuple[bytes, bool, bool]:
+        """Context that followed the longest recent suffix of the output elsewhere, whether it reaches the end of
+        its source, and whether it was cut where the output's value ends (:func:`_value_end`)."""
         out = bytes(state.tail)
         prompt = state.history.prompt
         for size in LOOKUP_NEEDLES:
@@ -264,12 +308,28 @@ class GuessWindow:
                 continue
             start = pos + size
             found = bytes(source[start:start + MAX_LOOKUP_BYTES])
-            if found:
-                return found, start + MAX_LOOKUP_BYTES >= len(source)
-        return b'', False
+            if not found:
+                continue
+            end = _value_end(found, state.layout, out[-1])
+            if end is not None:
+                return found[:end], False, True
+            return found, start + MAX_LOOKUP_BYTES >= len(source), False
+        return b'', False, False
 
-    def _lookup_plan(self, state: _Row) -> list[int]:
-        data, complete = self._lookup_text(state)
+    def _lookup_plan(self, state: _Row, fork) -> list[int]:
+        data, complete, ends = self._lookup_text(state)
+        if ends:
+            # the value ends where the copy was cut: close the string the output is in, and go on as the request
+            # writes its formatting; all of it tokenized as one text, as the model writes the copied value's end and
+            # the punctuation after it together
+            layout = state.layout.copy()
+            close = b'"' if layout.in_string else b''
+            probe = fork.fork()
+            if (data and _decode(data) is None) or not probe.accept_string(data + close):
+                return []
+            layout.feed(data + close)
+            text = _decode(data + close + self._format_text(state, probe, layout))
+            return list(self.guesses.tokenizer.tokenize(text)[0]) if text else []
         text = _decode(data)
         if not text:
             return []
@@ -304,8 +364,9 @@ class GuessDrafts:
         self._probe_mask: torch.Tensor | None = None
         self._byte_ids: np.ndarray | None = None
         self._byte_values: np.ndarray | None = None
-        #: Counters over every window: ``windows``, ``rejected`` (windows whose first rejected draft was a real
-        #: draft), ``<source>_drafted`` and ``<source>_accepted`` for ``forced`` and each guess source.
+        #: Counters over every window: ``steps`` (verification steps of guided requests), ``windows`` (those that
+        #: drafted anything), ``rejected`` (windows whose first rejected draft was a real draft),
+        #: ``<source>_drafted`` and ``<source>_accepted`` for ``forced`` and each guess source.
         self.stats: Counter = Counter()
 
     @property

@@ -90,12 +90,15 @@ class SpecGrammarManager:
         request's own formatting (``'format'``) and text copied from its prompt and output (``'lookup'``). True:
         both; default: as the environment variable ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS`` says (``1``: both, ``0``:
         none, or a comma list; default both). Needs ``tokenizer``.
+    window_guesses : bool, default: False
+        Inside drafting windows (:meth:`begin_draft`, with ``forced_drafts``), draft a guess in place of the draft
+        model's choice wherever a guess source has one.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
                  tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
-                 guess_drafts: bool | Sequence[str] | None = None):
+                 guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool = False):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -121,6 +124,7 @@ class SpecGrammarManager:
             sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
             guesses = GuessDrafts(self.forced_tokenizer, vocab_size, sources=sources)
             self.guesses = guesses if guesses.enabled else None
+        self.window_guesses = window_guesses
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)
@@ -288,18 +292,24 @@ class SpecGrammarManager:
 
     def begin_draft(self, matchers: Matchers, batch_size: int, num_spec_tokens: int = 1, *,
                     session_ids: Sequence[int] | None = None,
-                    draft_id_to_target_id: torch.Tensor | None = None) -> DraftGrammar | None:
+                    draft_id_to_target_id: torch.Tensor | None = None,
+                    prompt_ids: Sequence | None = None) -> DraftGrammar | None:
         """Fork the committed matchers for one drafting window (on the worker), or None without guided rows.
 
-        With ``session_ids`` the window's masks are kept for the next :meth:`verification_bitmask`.
+        With ``session_ids`` the window's masks are kept for the next :meth:`verification_bitmask`. With
+        ``window_guesses`` (and ``forced_drafts``), guesses take the place of the draft model's choice where a guess
+        source has one; ``prompt_ids`` as for :meth:`propose`.
         """
         if not matchers:
             return None
+        guesses = None
+        if self.window_guesses and self.forced_drafts:
+            guesses = self._guess_window(matchers, session_ids, prompt_ids, num_spec_tokens)
         window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens,
                               vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=self.forced_drafts,
-                              tokenizer=self.forced_tokenizer)
+                              tokenizer=self.forced_tokenizer, guesses=guesses, guess_in_window=guesses is not None)
         self._keep(window, matchers, session_ids)
         return window
 

@@ -103,3 +103,20 @@ def compile_regex(name: str, regex: str) -> xgr.CompiledGrammar:
 def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
     # lmdeploy's GuidedDecodingManager builds its matchers this way
     return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+
+#: An order with a customer and two or three items (the values of extraction prompts: a name, a city, skus)
+ORDER = {
+    'type': 'object',
+    'properties': {
+        'order_id': {'type': 'string', 'maxLength': 8},
+        'customer': {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 24},
+                                                      'city': {'type': 'string', 'maxLength': 16}},
+                     'required': ['name', 'city'], 'additionalProperties': False},
+        'items': {'type': 'array', 'minItems': 2, 'maxItems': 3,
+                  'items': {'type': 'object', 'properties': {'sku': {'type': 'string', 'maxLength': 8},
+                                                             'qty': {'type': 'integer', 'maximum': 99}},
+                            'required': ['sku', 'qty'], 'additionalProperties': False}},
+    },
+    'required': ['order_id', 'customer', 'items'],
+    'additionalProperties': False,
+}

