@@ -43,15 +43,19 @@ SYSTEM = 'You write JSON. Reply with one JSON object that follows the requested 
 #: Characters of a schema put into a prompt (some real-world schemas are far longer than SmolLM2's context).
 SCHEMA_CHARS = 6000
 WHITESPACE = {'any': dict(any_whitespace=True), 'single': dict(any_whitespace=False)}
-#: column -> (speculative method or None, draft tokens, guessed drafts on)
+#: column -> (speculative method or None, draft tokens, guessed drafts: on, off, or 'fixed' (every source may guess a
+#: whole window whatever its acceptance, :func:`fixed_guess_budgets`))
 COLUMNS = {
     'non-spec': (None, 0, True),
     'grammar k=4': ('grammar', 4, True),
     'grammar k=8': ('grammar', 8, True),
     'grammar k=8 forced only': ('grammar', 8, False),
+    'grammar k=8 fixed guesses': ('grammar', 8, 'fixed'),
     'eagle k=4': ('eagle', 4, True),
 }
 HEADLINE = 'grammar k=8'
+#: Left out of the default columns (a side-by-side for the adaptive guess budgets, asked for with --columns)
+QUICK_ONLY = 'grammar k=8 fixed guesses'
 
 
 # -- schemas and prompts ---------------------------------------------------------------------------------------------
@@ -194,6 +198,14 @@ def drop_prompt_ids(spec_agent) -> None:
     guided_spec.propose = without_prompt_ids
 
 
+def fixed_guess_budgets() -> None:
+    """Every guess source of this process may draft a whole window, however its guesses fared (the core shrinks
+    a source's guesses per request after rejections and grows them after acceptances)."""
+    from lmdeploy_guided_spec.guess import RequestHistory
+
+    RequestHistory.budget = lambda self, source, num_spec_tokens: num_spec_tokens
+
+
 def engine_worker(spec: dict) -> None:
     """Run every request of ``spec['requests']`` (a JSON file) alone, greedy; print one RESULT line."""
     from lmdeploy_guided_spec.support.harness import enable_cpu_triton
@@ -205,6 +217,8 @@ def engine_worker(spec: dict) -> None:
     cpu.activate()
     torch.set_num_threads(spec['threads'])
     os.environ['LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS'] = '1' if spec['guesses'] else '0'
+    if spec['guesses'] == 'fixed':
+        fixed_guess_budgets()
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     from lmdeploy.messages import SpeculativeConfig
     from lmdeploy.pytorch.engine.model_agent import agent
@@ -283,6 +297,15 @@ def _ratio(a: float, b: float) -> str:
     return f'{a / b:.2f}' if b else '-'
 
 
+def _rejected_per_step(column: dict, ids: list[str]) -> str:
+    """Draft tokens verification rejected (or never reached) per verification step of the guided requests."""
+    stats = [column[i]['stats'] for i in ids]
+    steps = sum(s.get('steps', s.get('windows', 0)) for s in stats)
+    drafted = sum(v for s in stats for k, v in s.items() if k.endswith('_drafted'))
+    accepted = sum(v for s in stats for k, v in s.items() if k.endswith('_accepted'))
+    return f'{(drafted - accepted) / steps:.2f}' if steps else '-'
+
+
 def print_tables(items, compiled, requests, runs, columns, shares, whitespaces, kinds) -> dict:
     """Per whitespace and prompt kind: one row per category and overall; returns headline figures."""
     categories = sorted({item['category'] for item in items}, key=lambda c: (c == 'handwritten', c))
@@ -303,9 +326,10 @@ def print_tables(items, compiled, requests, runs, columns, shares, whitespaces, 
             chosen = [r for r in requests if r['whitespace'] == whitespace and r['kind'] == kind]
             if not chosen:
                 continue
-            print(f'\n== whitespace {whitespace}, prompt {kind}: tokens per target forward (wall s) ==')
+            print(f'\n== whitespace {whitespace}, prompt {kind}: tokens per target forward (wall s) '
+                  'rejected draft tokens per step ==')
             head = f'{"category":<16} {"reqs":>4} {"valid":>5} {"forced":>6} {"tokens":>6} '
-            print(head + ' '.join(f'{c:>23}' for c in columns) + ' rej/step identical')
+            print(head + ' '.join(f'{c:>29}' for c in columns) + ' identical')
             for category in categories + ['overall']:
                 rows = [r for r in chosen if category in ('overall', by_name[r['name']]['category'])]
                 if category == 'overall':
@@ -324,16 +348,12 @@ def print_tables(items, compiled, requests, runs, columns, shares, whitespaces, 
                     forwards = sum(runs[column][i]['forwards'] for i in ids)
                     seconds = sum(runs[column][i]['seconds'] for i in ids)
                     totals[column] = (tokens, forwards, seconds)
-                    cells.append(f'{_ratio(tokens, forwards):>15} ({seconds:>5.0f})')
-                head_stats = [runs[HEADLINE][i]['stats'] for i in ids] if HEADLINE in runs else []
-                windows = sum(s.get('windows', 0) for s in head_stats)
-                drafted = sum(v for s in head_stats for k, v in s.items() if k.endswith('_drafted'))
-                accepted = sum(v for s in head_stats for k, v in s.items() if k.endswith('_accepted'))
-                rejected = f'{(drafted - accepted) / windows:.2f}' if windows else '-'
+                    rejected = _rejected_per_step(runs[column], ids)
+                    cells.append(f'{_ratio(tokens, forwards):>15} ({seconds:>5.0f}) {rejected:>5}')
                 same = sum(all(runs[c][i]['tokens'] == base[i]['tokens'] for c in columns) for i in ids)
                 tokens0 = totals[columns[0]][0]
                 print(f'{category:<16} {len(rows):>4} {valid:>5} {_ratio(forced, walked):>6} {tokens0:>6} '
-                      + ' '.join(cells) + f' {rejected:>8} {same}/{len(rows)}')
+                      + ' '.join(cells) + f' {same}/{len(rows)}')
                 if category == 'overall':
                     figures[whitespace, kind] = {c: totals[c] for c in columns}
                     figures[whitespace, kind, 'identical'] = same == len(rows)
@@ -346,14 +366,16 @@ def main(argv=None) -> int:
     parser.add_argument('--categories', default='', help='comma list of categories (default: all, handwritten too)')
     parser.add_argument('--per-category', type=int, default=12, help='schemas per category (0: all)')
     parser.add_argument('--max-new-tokens', type=int, default=256)
-    parser.add_argument('--columns', default=','.join(COLUMNS), help=f'comma list from: {", ".join(COLUMNS)}')
+    parser.add_argument('--columns', help=f'comma list from: {", ".join(COLUMNS)} (default: all but '
+                        f'{QUICK_ONLY!r})')
     parser.add_argument('--whitespace', default='any,single', help='comma list from: any, single')
     parser.add_argument('--kinds', default='object,extract', help='prompt kinds: object, extract')
     parser.add_argument('--no-prompt-ids', action='store_true',
                         help='context lookups see the output only (the series passes the prompt ids at prefill)')
     parser.add_argument('--no-handwritten', action='store_true', help='leave out the 22 hand-written schemas')
     parser.add_argument('--quick', action='store_true',
-                        help='2 schemas of 4 categories, 96 new tokens, non-spec and grammar k=8, whitespace any')
+                        help='2 schemas of 4 categories, 96 new tokens, whitespace any, non-spec and grammar k=8 '
+                        '(unless --columns names others)')
     parser.add_argument('--threads', type=int, default=1,
                         help="torch threads (default 1: the other core is the grammar worker's)")
     parser.add_argument('--column-timeout', type=float, default=0, help='seconds per column (0: no limit)')
@@ -365,7 +387,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.categories = args.categories or 'Github_easy,Glaiveai2K,JsonSchemaStore,handwritten'
         args.per_category, args.max_new_tokens = 2, 96
-        args.columns, args.whitespace = 'non-spec,grammar k=8', 'any'
+        args.columns, args.whitespace = args.columns or 'non-spec,grammar k=8', 'any'
+    args.columns = args.columns or ','.join(c for c in COLUMNS if c != QUICK_ONLY)
     columns = [c.strip() for c in args.columns.split(',') if c.strip()]
     if columns[0] != 'non-spec':
         columns.insert(0, 'non-spec')

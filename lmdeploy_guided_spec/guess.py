@@ -77,9 +77,11 @@ def _has_word(data: bytes) -> bool:
     return any(48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122 or b >= 0x80 for b in data)
 
 
-#: Bytes where a value copied into a JSON string ends: a quote (the source's string ends too), a line break, and
-#: the punctuation prose puts after a name or a figure.
-VALUE_END_BYTES = frozenset(b'"\n:;,()[]{}')
+#: Where a value copied into a JSON string ends: at a quote (the source's string ends too) or a line break
+#: (:data:`VALUE_END_BYTES`), and at the punctuation prose puts after a name or a figure when whitespace follows it
+#: (:data:`PROSE_END_BYTES`; so not inside a URL, a time or a number).
+VALUE_END_BYTES = frozenset(b'"\n')
+PROSE_END_BYTES = frozenset(b':;.)]}')
 _NUMBER_BYTES = frozenset(b'0123456789+-.eE')
 
 
@@ -87,19 +89,21 @@ def _value_end(found: bytes, layout: JsonLayout, last: int | None) -> int | None
     """Where the value the output is writing ends in copied text ``found``: the offset of the first byte that does
     not belong to it, or None when it runs to the end of ``found``.
 
-    In a string (``layout.in_string``) the value ends at a quote, a line break, a sentence's full stop or the
-    punctuation of :data:`VALUE_END_BYTES`: what the copy's source writes after it is prose or another JSON value,
-    while the output closes its string. Outside a string (a number) it ends at the first byte a number does not
-    hold (a full stop only before a digit); ``last`` is the output's last byte, so a number is being written when
-    it is a digit.
+    In a string (``layout.in_string``) the value ends at :data:`VALUE_END_BYTES`, or at :data:`PROSE_END_BYTES`
+    followed by whitespace: what the copy's source writes after it is prose or another JSON value, while the output
+    closes its string. A comma does not end it (values hold commas: a place, a list in prose). Outside a string (a
+    number) it ends at the first byte a number does not hold (a full stop only before a digit); ``last`` is the
+    output's last byte, so a number is being written when it is a digit.
     """
     if layout.in_string:
         if layout.escape:
             return None
         for index, byte in enumerate(found):
-            if byte in VALUE_END_BYTES or byte == 0x5C:
-                return index if byte != 0x5C else None
-            if byte == 0x2E and (index + 1 == len(found) or found[index + 1] in WHITESPACE):
+            if byte == 0x5C:
+                return None
+            if byte in VALUE_END_BYTES:
+                return index
+            if byte in PROSE_END_BYTES and (index + 1 == len(found) or found[index + 1] in WHITESPACE):
                 return index
         return None
     if layout.run or last is None or not 48 <= last <= 57:

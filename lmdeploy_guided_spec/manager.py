@@ -90,15 +90,16 @@ class SpecGrammarManager:
         request's own formatting (``'format'``) and text copied from its prompt and output (``'lookup'``). True:
         both; default: as the environment variable ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS`` says (``1``: both, ``0``:
         none, or a comma list; default both). Needs ``tokenizer``.
-    window_guesses : bool, default: False
+    window_guesses : bool, optional
         Inside drafting windows (:meth:`begin_draft`, with ``forced_drafts``), draft a guess in place of the draft
-        model's choice wherever a guess source has one.
+        model's choice wherever a guess source has one; default: on wherever forced drafts in windows and guessed
+        drafts are (``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS``, ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS``).
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
                  tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
-                 guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool = False):
+                 guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -124,7 +125,7 @@ class SpecGrammarManager:
             sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
             guesses = GuessDrafts(self.forced_tokenizer, vocab_size, sources=sources)
             self.guesses = guesses if guesses.enabled else None
-        self.window_guesses = window_guesses
+        self.window_guesses = True if window_guesses is None else window_guesses
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)

@@ -206,10 +206,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_server(args: list[str], log, max_batch_size: int = 4) -> tuple[subprocess.Popen, int]:
-    """``lmdeploy serve api_server`` for tiny-llama on the CPU path, in a new session, its output in ``log``."""
+def spawn_server(args: list[str], log, max_batch_size: int = 4,
+                 model: str = 'tiny-llama') -> tuple[subprocess.Popen, int]:
+    """``lmdeploy serve api_server`` for ``model`` (a name of the CPU path's models) on the CPU path, in a new
+    session, its output in ``log``."""
     port = free_port()
-    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', 'tiny-llama', '--backend', 'pytorch', *args,
+    cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', model, '--backend', 'pytorch', *args,
            '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', str(max_batch_size),
            '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
     with open(log, 'wb') as out:
@@ -217,9 +219,10 @@ def spawn_server(args: list[str], log, max_batch_size: int = 4) -> tuple[subproc
     return proc, port
 
 
-def start_server(args: list[str], log, max_batch_size: int = 4) -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], log, max_batch_size: int = 4,
+                 model: str = 'tiny-llama') -> tuple[subprocess.Popen, str]:
     """Spawn the api_server and wait until it answers ``/v1/models``."""
-    proc, port = spawn_server(args, log, max_batch_size)
+    proc, port = spawn_server(args, log, max_batch_size, model)
     base = f'http://127.0.0.1:{port}'
     deadline = time.monotonic() + STARTUP_S
     while True:

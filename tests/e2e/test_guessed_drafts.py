@@ -1,13 +1,17 @@
-"""Guessed drafts of method ``grammar`` (the request's formatting, text from its output) through ``pipeline``.
+"""Guessed drafts of method ``grammar`` (the request's formatting, text from its output and its prompt) through
+``pipeline`` and through ``lmdeploy serve api_server`` with the ``openai`` client.
 
 lmdeploy's default whitespace (any whitespace after every structural character): the grammar forces little, and
 the guesses make the drafts. SmolLM2 writes real JSON in a consistent style, which a random model does not. Greedy
 output must equal guided decoding without speculation; guessed drafts must be accepted.
 """
 import importlib.util
+import re
+import urllib.request
 
+import openai
 import pytest
-from e2e_helpers import check_valid, draft_free_pipeline, gen_config, generate, model_agent
+from e2e_helpers import check_valid, draft_free_pipeline, gen_config, generate, model_agent, start_server, stop_server
 
 from grammars import ORDER as ITEMS
 
@@ -44,3 +48,49 @@ def test_grammar_guesses_equal_non_speculative(engines):
     # sessions are cleaned up at the engine's next step
     generate(pipe, ['Hi'], [gen_config(None, max_new_tokens=2)])
     assert guesses.num_histories == 0, 'finished sessions leave no history'
+
+
+CONTACT = {
+    'type': 'object',
+    'properties': {'name': {'type': 'string', 'maxLength': 24}, 'city': {'type': 'string', 'maxLength': 16},
+                   'sku': {'type': 'string', 'maxLength': 8}},
+    'required': ['name', 'city', 'sku'],
+    'additionalProperties': False,
+}
+EXTRACT = [{'role': 'user', 'content': 'Grace Hopper from Arlington ordered a notebook (sku NB-77). Extract her name, '
+                                       'city and the sku as JSON.'}]
+
+
+def _metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
+    found = re.search(rf'^lmdeploy:{name}\{{[^}}]*\}} (\S+)$', text, re.M)
+    assert found, f'{name} not in the metrics'
+    return float(found.group(1))
+
+
+@pytest.fixture(scope='module')
+def grammar_server(cpu_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp('api_server') / 'server.log'
+    proc, base = start_server(['--speculative-algorithm', 'grammar', '--speculative-num-draft-tokens', '8'], log,
+                              model='smollm2')
+    try:
+        yield base
+    finally:
+        stop_server(proc)
+
+
+def test_api_server_guesses_equal_non_speculative(engines, grammar_server):
+    """An extraction request through the api_server: the output is the non-speculative one, and drafts other than
+    the forced ones were accepted (a draft is forced, guessed, or a token the grammar disallows, which verification
+    always rejects), so guesses were accepted."""
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'contact', 'schema': CONTACT}}
+    reference = generate(engines('smollm2', spec=False), [EXTRACT], [gen_config(fmt, max_new_tokens=64)])[0]
+    client = openai.OpenAI(base_url=f'{grammar_server}/v1', api_key='none', timeout=120, max_retries=0)
+    choice = client.chat.completions.create(model=client.models.list().data[0].id, messages=EXTRACT,
+                                            response_format=fmt, max_tokens=64, temperature=0).choices[0]
+    assert choice.message.content == reference.text
+    if choice.finish_reason == 'stop':
+        check_valid(choice.message.content, fmt)
+    accepted = _metric(grammar_server, 'spec_decode_num_accepted_tokens_total')
+    forced = _metric(grammar_server, 'spec_decode_num_forced_tokens_total')
+    assert accepted > forced, f'{accepted} accepted drafts, {forced} forced: no guess was accepted'
