@@ -11,6 +11,9 @@ enable_cpu_triton()
 
 
 def pytest_collection_modifyitems(config, items):
-    from lmdeploy.pytorch.spec_decode import spec_agent
-    if not hasattr(spec_agent, '_PER_ROW_FIELDS'):
+    from lmdeploy_guided_spec.series.files import find_series
+    from lmdeploy_guided_spec.series.installed import locate_installed
+    from lmdeploy_guided_spec.series.patching import status
+    target = locate_installed()
+    if status(target, find_series(target.version)).overall != 'applied':
         raise pytest.UsageError('the installed lmdeploy is not patched; run `lmdeploy-guided-spec apply` first')
