@@ -539,12 +539,14 @@ class Side:
                 print(line, end='', file=sys.stderr, flush=True)
 
     def _read(self, prefix: str) -> str:
+        stdout: collections.deque[str] = collections.deque(maxlen=20)
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):]
+            stdout.append(line)  # lmdeploy logs some errors to stdout
         self.proc.wait()
         self._stderr.join(timeout=5)
-        sys.stderr.writelines(self.tail)
+        sys.stderr.writelines(list(self.tail) + list(stdout))
         raise SystemExit(f'{self.side} ({self.python}) failed with exit code {self.proc.returncode}')
 
     def run(self, method: str, batch: int) -> Cell:
