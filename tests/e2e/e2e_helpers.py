@@ -174,10 +174,18 @@ def manager(pipe):
     return model_agent(pipe).guided_decoding_manager
 
 
+def _text(response) -> str:
+    """The text of a pipeline response; for a failed request, the reason (lmdeploy 0.18 gives it as
+    ``error_message``, 0.14 as the text)."""
+    if response.finish_reason == 'error' and not response.text:
+        return getattr(response, 'error_message', None) or ''
+    return response.text
+
+
 def generate(pipe, prompts: list[str], configs) -> list[Output]:
     """Non-streaming batch generation."""
     responses = pipe(prompts, gen_config=configs)
-    return [Output(r.text, list(r.token_ids), r.finish_reason) for r in responses]
+    return [Output(_text(r), list(r.token_ids), r.finish_reason) for r in responses]
 
 
 def stream(pipe, prompts: list[str], configs) -> list[Output]:
@@ -186,7 +194,7 @@ def stream(pipe, prompts: list[str], configs) -> list[Output]:
     tokens: list[list[int]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
     for chunk in pipe.stream_infer(prompts, gen_config=configs):
-        texts[chunk.index] += chunk.text
+        texts[chunk.index] += _text(chunk)
         tokens[chunk.index] += list(chunk.token_ids or [])
         if chunk.finish_reason is not None:
             reasons[chunk.index] = chunk.finish_reason

@@ -11,6 +11,7 @@ import re
 import threading
 import urllib.error
 import urllib.request
+from importlib.metadata import version
 
 import openai
 import pytest
@@ -80,7 +81,8 @@ def test_invalid_schema_is_a_client_error_and_the_server_stays_up(client, server
         _chat(client, INVALID)
     worker.join(timeout=120)
     assert err.value.status_code == 400
-    assert 'Invalid response_format' in str(err.value) and 'Unsupported type "nonsense"' in str(err.value)
+    assert re.search(f'Invalid response_format|{NOT_COMPILED}', str(err.value)), str(err.value)
+    assert 'Unsupported type "nonsense"' in str(err.value) and err.value.param == 'response_format'
     # the concurrent valid request finished, and the server answers afterwards
     text, reason = results['valid']
     assert reason == 'stop'
@@ -122,19 +124,22 @@ def _complete(client, max_tokens=64, **kwargs) -> str:
     return choice.text
 
 
+# where lmdeploy 0.18's own entry check words it differently, the pattern takes both
+NOT_COMPILED = 'does not compile|Unsupported response format: '
 BAD = {
-    # name: (request fields, param, part of the message)
-    'unknown type': (dict(response_format={'type': 'nonsense'}), 'response_format', "unsupported type 'nonsense'"),
+    # name: (request fields, param, a regular expression the message must contain)
+    'unknown type': (dict(response_format={'type': 'nonsense'}), 'response_format',
+                     "unsupported type 'nonsense'|unsupported format type: nonsense"),
     'bad whitespace': (dict(response_format={'type': 'json_object', 'whitespace': 'none'}), 'response_format',
-                       "unsupported whitespace 'none'"),
+                       "unsupported (response_format )?whitespace 'none'"),
     'schema that does not compile': (dict(response_format=_json_schema({'type': 'nonsense'})), 'response_format',
-                                     'does not compile'),
+                                     NOT_COMPILED),
     'schema given as a string': (dict(response_format=_json_schema(json.dumps(PERSON))), 'response_format',
                                  'json_schema.schema'),
     'regex_schema without a regex': (dict(response_format={'type': 'regex_schema'}), 'response_format',
                                      'regex_schema needs'),
     'bad regex': (dict(response_format={'type': 'regex_schema', 'regex_schema': '[a-'}), 'response_format',
-                  'does not compile'),
+                  NOT_COMPILED),
     'schema without instances': (dict(response_format=_json_schema({'$defs': {'a': {'$ref': '#/$defs/a'}},
                                                                      '$ref': '#/$defs/a'})),
                                  'response_format', 'admits no instance'),
@@ -150,7 +155,7 @@ BAD = {
     'two guided fields': (dict(extra_body={'guided_json': PERSON, 'guided_regex': 'a'}), 'guided_json',
                           'only one guided constraint'),
     'guided_json that does not compile': (dict(extra_body={'guided_json': {'type': 'nonsense'}}), 'guided_json',
-                                          'does not compile'),
+                                          NOT_COMPILED),
     'unknown structured_outputs key': (dict(extra_body={'structured_outputs': {'structural_tag': '{}'}}),
                                        'structured_outputs', 'structured_outputs.structural_tag'),
     'another backend': (dict(extra_body={'guided_regex': 'a', 'guided_decoding_backend': 'outlines'}),
@@ -161,6 +166,8 @@ BAD = {
 @pytest.mark.parametrize('name', BAD)
 def test_bad_input_is_400_with_openai_error_body(client, name):
     fields, param, message = BAD[name]
+    if name == 'regex_schema without a regex' and version('lmdeploy').startswith('0.18.'):
+        pytest.skip("lmdeploy 0.18's own entry check accepts a regex_schema without a regex (docs/en/versions.md)")
     with pytest.raises(openai.BadRequestError) as err:
         _ask(client, **fields)
     assert err.value.status_code == 400
@@ -168,7 +175,7 @@ def test_bad_input_is_400_with_openai_error_body(client, name):
     body = err.value.body
     assert body['type'] == 'invalid_request_error' and body['param'] == param and body['code'] == 400, body
     assert err.value.param == param
-    assert message in body['message'], body['message']
+    assert re.search(message, body['message']), body['message']
 
 
 def test_error_body_over_plain_http(server):
