@@ -182,8 +182,14 @@ class DraftGrammar:
         if self.sparse is not None:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
-            draft, verify = self.sparse.build(self.masks[live, position], live,
-                                              [row * width + position for row in live])
+            verify_rows = [row * width + position for row in live]
+            if self.vocab_map is None:
+                draft, verify = self.sparse.build(self.masks[live, position], live, verify_rows)
+            else:
+                # a draft with its own vocabulary: translate here, on the worker, not on the engine thread
+                verify, = self.sparse.build(self.masks[live, position], verify_rows)
+                draft = (self.vocab_map.sparse_builder().build(self.masks[live, position], live)[0]
+                         if position < self.num_spec_tokens else None)
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)
         if self.forced and position < self.num_spec_tokens:
@@ -246,6 +252,9 @@ class DraftGrammar:
             if self.sparse is not None and logits.shape[-1] == self.vocab_size:
                 return self._draft_sparse[self.position].apply_(logits)
             return apply_bitmask_(logits, masks, rows=live)
+        draft_sparse = self._draft_sparse[self.position] if self.sparse is not None else None
+        if draft_sparse is not None and logits.shape[-1] == self.vocab_map.draft_vocab_size:
+            return draft_sparse.apply_(logits)
         index = to_device(live, torch.long, logits.device)
         sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), masks[live])
         logits.index_copy_(0, index, sub)

@@ -120,11 +120,15 @@ class SparseMaskBuilder:
         key = hashlib.blake2b(words.tobytes(), digest_size=16).digest()
         hit = self._cache.get(key)
         if hit is None:
-            hit = _columns(words, self.vocab_size)
+            hit = self._compute(words)
             if len(self._cache) >= self.max_entries:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = hit
         return hit
+
+    def _compute(self, words: np.ndarray) -> tuple[bool, np.ndarray]:
+        """(few_allowed, tokens) of one bitmask row, uncached."""
+        return _columns(words, self.vocab_size)
 
     def build(self, bitmask_rows: torch.Tensor, *row_sets: Sequence[int]) -> list[SparseRows]:
         """One :class:`SparseRows` per entry of ``row_sets``, each addressing the logits rows it lists.

@@ -1,12 +1,14 @@
 """Draft-to-target vocabulary translation for drafts with their own vocabulary (Eagle3, some Eagle heads)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .bitmask import pack_bool_mask
 from .errors import VocabMapError
+from .sparse import SparseMaskBuilder
 
-__all__ = ['DraftVocabMap']
+__all__ = ['DraftVocabMap', 'DraftSparseBuilder']
 
 
 class DraftVocabMap:
@@ -38,6 +40,7 @@ class DraftVocabMap:
         self._word = ids >> 5
         self._shift = (ids & 31).to(torch.int32)
         self._copies: dict[torch.device, DraftVocabMap] = {ids.device: self}
+        self._sparse_builder: DraftSparseBuilder | None = None
 
     @property
     def draft_vocab_size(self) -> int:
@@ -51,6 +54,12 @@ class DraftVocabMap:
         if copy is None:
             copy = self._copies[device] = DraftVocabMap(self.target_ids.to(device), self.target_vocab_size)
         return copy
+
+    def sparse_builder(self) -> DraftSparseBuilder:
+        """The map's :class:`DraftSparseBuilder` (one per map, so its cache of translated masks is shared)."""
+        if self._sparse_builder is None:
+            self._sparse_builder = DraftSparseBuilder(self)
+        return self._sparse_builder
 
     def draft_allowed(self, target_bitmask: torch.Tensor) -> torch.Tensor:
         """Bool mask ``(rows, draft_vocab)``: draft id allowed iff its target id is allowed.
@@ -73,3 +82,29 @@ class DraftVocabMap:
         allowed = self.to(logits.device).draft_allowed(target_bitmask)
         logits.masked_fill_(~allowed, float('-inf'))
         return logits
+
+
+class DraftSparseBuilder(SparseMaskBuilder):
+    """Draft-vocabulary masks in index form (:class:`~lmdeploy_guided_spec.sparse.SparseRows` over draft logits),
+    built from *target*-vocabulary bitmask rows.
+
+    Meant for the grammar worker: the translation (:meth:`DraftVocabMap.draft_allowed`) then runs off the engine
+    thread, which only applies the index form. A target mask seen before costs a hash (grammar states repeat).
+
+    Parameters
+    ----------
+    vocab_map : DraftVocabMap
+        The map whose draft vocabulary the built rows address (its CPU copy does the translation).
+    max_entries : int, default: 4096
+        Translated masks remembered; the oldest are forgotten first.
+    """
+
+    def __init__(self, vocab_map: DraftVocabMap, max_entries: int = 4096):
+        super().__init__(vocab_map.draft_vocab_size, max_entries)
+        self.vocab_map = vocab_map.to('cpu')
+
+    def _compute(self, words: np.ndarray) -> tuple[bool, np.ndarray]:
+        allowed = self.vocab_map.draft_allowed(torch.from_numpy(words).view(1, -1))[0].numpy()
+        # whichever list is shorter, as for target masks
+        few = int(allowed.sum()) * 2 < allowed.shape[0]
+        return few, np.flatnonzero(allowed if few else ~allowed).astype(np.int64)

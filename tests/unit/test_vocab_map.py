@@ -70,3 +70,41 @@ def test_map_errors_name_the_fix():
     vmap = DraftVocabMap(torch.arange(100), TARGET_VOCAB)
     with pytest.raises(VocabMapError, match='100 rows'):
         vmap.mask_draft_logits_(torch.randn(1, 99), torch.full((1, 4008), -1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize('draft_vocab', [817, 32000])
+def test_sparse_draft_masks_translate_on_the_worker(llama3, draft_vocab, monkeypatch):
+    """With masks in index form (the CPU path), a draft-vocabulary window masks draft logits exactly as the dense
+    translation does, and the engine thread never translates (the worker built the draft masks)."""
+    compiled = compile_schema(llama3, SCHEMAS['enum_prefixes'])
+    path = testing.load_tokenizer(llama3).encode(dumps(INSTANCES['enum_prefixes'][0]), add_special_tokens=False)
+    ids = _random_map(draft_vocab, seed=3, must_have=path)
+    k = 6
+    dense = SpecGrammarManager(TARGET_VOCAB, sparse_masks=False).begin_draft(
+        {0: new_matcher(compiled), 2: new_matcher(compiled)}, 3, k, draft_id_to_target_id=ids)
+    sparse_mgr = SpecGrammarManager(TARGET_VOCAB, sparse_masks=True)
+    sparse = sparse_mgr.begin_draft({0: new_matcher(compiled), 2: new_matcher(compiled)}, 3, k,
+                                    draft_id_to_target_id=ids)
+    translated = []
+    original = DraftVocabMap.mask_draft_logits_
+    monkeypatch.setattr(DraftVocabMap, 'mask_draft_logits_',
+                        lambda self, *a: translated.append(1) or original(self, *a))
+    g = torch.Generator().manual_seed(0)
+    for position in range(k):
+        logits = torch.randn(4, ids.numel(), generator=g)  # one padding row past the batch
+        expect = dense.mask_logits_(logits.clone())[[0, 2]]
+        before = len(translated)
+        got = sparse.mask_logits_(logits.clone())
+        assert len(translated) == before, 'the engine thread translated a draft mask'
+        assert torch.equal(got[[0, 2]], expect)
+        assert torch.equal(got[[1, 3]], logits[[1, 3]])
+        # row 0 follows the instance, row 2 the draft model's masked greedy choice
+        step = torch.stack([torch.tensor(path[position]), ids[got[2].argmax()]]).view(2, 1)
+        chosen = torch.tensor([[int(step[0])], [0], [int(step[1])]])
+        dense.advance(chosen)
+        sparse.advance(chosen.clone())
+    assert len(translated) == k  # the dense window's, counted to show that the check sees a translation
+    dense.wait()
+    sparse.wait()
+    assert torch.equal(unpack_bitmask(sparse.masks.view(3 * (k + 1), -1), TARGET_VOCAB),
+                       unpack_bitmask(dense.masks.view(3 * (k + 1), -1), TARGET_VOCAB))
