@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..series.patching import installed_is_applied
 from ..support.harness import GenRequest, StepRecord, enable_cpu_triton
 
 DEFAULT_SCHEMA = {
@@ -162,12 +163,17 @@ def main(args: argparse.Namespace) -> int:
     """Run the check; 0 when every output validates (and greedy output equals non-speculative decoding)."""
     enable_cpu_triton()
     from lmdeploy import __version__ as lmdeploy_version
-    from lmdeploy.pytorch.spec_decode import spec_agent
 
     from .. import testing
-    if not hasattr(spec_agent, '_PER_ROW_FIELDS'):
+    if not installed_is_applied():
         print('the installed lmdeploy is not patched; run `lmdeploy-guided-spec apply` first', file=sys.stderr)
         return 4
+    if not lmdeploy_version.startswith('0.14.'):
+        # the scripted harness builds lmdeploy 0.14's speculative agent by hand; later releases rebuilt that code
+        print(f'check drives lmdeploy 0.14.0\'s speculative agent with scripted networks; lmdeploy {lmdeploy_version} '
+              'is installed. To check this installation end to end, run: lmdeploy-guided-spec demo --model tiny',
+              file=sys.stderr)
+        return 5
     tokenizer = testing.load_tokenizer(args.tokenizer)
     vocab_size = testing.TOKENIZERS[args.tokenizer].model_vocab_size
     schema, instance = _load_schema(args.schema)

@@ -200,14 +200,14 @@ def main(args: argparse.Namespace) -> int:
             return 2
         methods = [name for name in methods if name in chosen]
     from ..cpu import activate
+    from ..series.patching import installed_is_applied
     activate()
     from lmdeploy import GenerationConfig
     from lmdeploy import __version__ as lmdeploy_version
-    from lmdeploy.pytorch.spec_decode import spec_agent
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    if not hasattr(spec_agent, '_PER_ROW_FIELDS'):
+    if not installed_is_applied():
         print('the installed lmdeploy is not patched; run `lmdeploy-guided-spec apply` first', file=sys.stderr)
         return 4
     prompt = args.prompt or DEFAULT_PROMPT

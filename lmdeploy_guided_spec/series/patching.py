@@ -22,6 +22,7 @@ from .errors import (
     NotPristineError,
     OtherSeriesAppliedError,
     PatchDoesNotApplyError,
+    PatchError,
     SeriesError,
     StateError,
     WriteError,
@@ -395,6 +396,17 @@ def revert(target: Target, *, force: bool = False) -> Result:
     shutil.rmtree(target.state_dir)
     warnings = tuple(f'discarded changes made after apply to {rel}' for rel in modified)
     return Result('reverted', state.series, names, tuple(restored), warnings)
+
+
+def installed_is_applied() -> bool:
+    """Whether the installed lmdeploy carries its series, applied by this tool (any lmdeploy version with a series)."""
+    from .files import find_series
+    from .installed import locate_installed
+    try:
+        target = locate_installed()
+        return status(target, find_series(target.version)).overall == 'applied'
+    except PatchError:
+        return False
 
 
 def status(target: Target, series_dir: Path) -> Status:

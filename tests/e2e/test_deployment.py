@@ -131,7 +131,9 @@ def test_schema_without_instances_fails_alone(engines, method):
 def corrupt_digit_commits(monkeypatch):
     """Make commits of the grammar worker hand a digits-only grammar the token ``a``, which it rejects: a stand-in
     for any fault that gets a disallowed token to the commit (a stale device read, a kernel that ignored the mask).
-    Rows whose matcher accepts ``a`` keep their tokens."""
+    Rows whose matcher accepts ``a`` keep their tokens, and so do rows whose grammar is complete: their next token
+    is a stop token, which every complete grammar accepts and ``a`` never (lmdeploy 0.18 builds its matchers without
+    ``terminate_without_stop_token``, so a complete one is not terminated yet)."""
     from lmdeploy_guided_spec import manager as manager_module
     from lmdeploy_guided_spec.ordering import host_lists
     real_commit = manager_module.commit
@@ -143,7 +145,8 @@ def corrupt_digit_commits(monkeypatch):
         for row, matcher in matchers.items():
             row_ids = ids[row] if isinstance(ids[row], list) else [ids[row]]
             fork = matcher.fork()
-            if bad is not None and row_ids[0] >= 0 and not fork.is_terminated() and not fork.accept_token(bad):
+            if bad is not None and row_ids[0] >= 0 and not fork.is_terminated() and not fork.is_completed() \
+                    and not fork.accept_token(bad):
                 ids[row] = [bad, *row_ids[1:]] if isinstance(ids[row], list) else bad
                 state['corrupted'] += 1
         return real_commit(matchers, ids, **kwargs)
