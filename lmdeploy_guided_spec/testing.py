@@ -74,3 +74,37 @@ def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> torch.Tensor
 def _encode_continuation(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` as generated output (no special tokens)."""
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class _ThreadStreamEvent:
+    """A stand-in for a CUDA event on a machine without streams: it names the thread that recorded it (each thread
+    has a current stream of its own, so an event is only as good as the thread it was recorded on)."""
+
+    def __init__(self):
+        import threading
+        self.thread = threading.current_thread()
+
+    def synchronize(self):
+        pass
+
+
+def _per_thread_streams(monkeypatch, reads: list, *lmdeploy_modules) -> None:
+    """Make the core's ``record_ready`` return :class:`_ThreadStreamEvent` and its ``host_lists`` append, per read
+    of a tensor, the thread its event came from (None: no event) to ``reads``; ``lmdeploy_modules`` import
+    ``record_ready`` by name (the series' spec agent) and get the same double."""
+    from . import draft, manager, step
+    from .ordering import host_lists
+
+    def record_ready(tensor):
+        return _ThreadStreamEvent() if isinstance(tensor, torch.Tensor) else None
+
+    def checked_host_lists(token_ids, ready=None):
+        if isinstance(token_ids, torch.Tensor):
+            reads.append(getattr(ready, 'thread', None))
+        return host_lists(token_ids, ready)
+
+    for module in (manager, draft, *lmdeploy_modules):
+        if hasattr(module, 'record_ready'):
+            monkeypatch.setattr(module, 'record_ready', record_ready)
+    for module in (manager, draft, step):
+        monkeypatch.setattr(module, 'host_lists', checked_host_lists)
