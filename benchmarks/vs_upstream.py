@@ -47,7 +47,7 @@ other core of a 2-core machine to grammar work); compare the two sides as ratios
 time per entry point. ``--device cuda`` runs the same code on a GPU without the CPU path (``--model``/``--draft``
 for real checkpoints; lmdeploy 0.18.0 as released needs FlashAttention-3 there).
 
-Needs two environments, e.g. ``bash scripts/setup.sh --lmdeploy 0.18.0 --venv .venv-0.18.0`` (ours, the default
+Needs two environments, e.g. ``bash scripts/setup.sh`` (``.venv/``, ours, the default
 ``--ours-python``) and the same with ``--venv .venv-0.18.0-upstream`` followed by
 ``.venv-0.18.0-upstream/bin/lmdeploy-guided-spec revert`` (the default ``--upstream-python``).
 
@@ -565,9 +565,9 @@ def main(argv=None) -> int:
     parser.add_argument('--upstream-python', default=str(ROOT / '.venv-0.18.0-upstream' / 'bin' / 'python'),
                         help='Python of an environment with lmdeploy 0.18.0 as released (the series reverted); '
                              'default: .venv-0.18.0-upstream/bin/python')
-    parser.add_argument('--ours-python', default=str(ROOT / '.venv-0.18.0' / 'bin' / 'python'),
+    parser.add_argument('--ours-python', default=str(ROOT / '.venv' / 'bin' / 'python'),
                         help='Python of an environment with lmdeploy 0.18.0 and its series applied; '
-                             'default: .venv-0.18.0/bin/python')
+                             'default: .venv/bin/python')
     parser.add_argument('--methods', default='eagle3,deepseek_mtp', help='comma list of eagle3, deepseek_mtp')
     parser.add_argument('--batches', default='1,8,32')
     parser.add_argument('--k', type=int, default=3, help='draft tokens per step')

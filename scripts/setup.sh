@@ -4,12 +4,12 @@
 # installed lmdeploy (when the project has one for that version) and install the CPU path's .pth hook.
 #
 # Usage: bash scripts/setup.sh [--lmdeploy VERSION] [--venv DIR]
-#   --lmdeploy VERSION  the lmdeploy release to install (default 0.14.0; needs requirements/lmdeploy-VERSION.txt)
+#   --lmdeploy VERSION  the lmdeploy release to install (default 0.18.0; needs requirements/lmdeploy-VERSION.txt)
 #   --venv DIR          the virtual environment to build or update (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LMDEPLOY_VERSION=0.14.0
+LMDEPLOY_VERSION=0.18.0
 VENV=.venv
 while [ $# -gt 0 ]; do
     case "$1" in
