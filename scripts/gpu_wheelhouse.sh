@@ -4,10 +4,10 @@
 #
 # Target: CPython 3.12, x86-64 Linux, with torch 2.11 and triton 3.6 already installed, as on the lent H100/H200
 # image ('cuda'; its package list is in the device notes). What goes in:
-#   - lmdeploy 0.14.0 (cp312 wheel) rewritten without lmdeploy/lib/_turbomind*.so: the 85 MB TurboMind binary the
-#     PyTorch engine never loads (lmdeploy falls back to the PyTorch engine without it). RECORD loses exactly those
-#     lines; every other line, and with it the hash of every .py file that `lmdeploy-guided-spec apply` checks,
-#     stays as published;
+#   - lmdeploy 0.18.0 and 0.14.0 (cp312 wheels, every release with a series) rewritten without TurboMind's
+#     binaries (lmdeploy/lib/_turbomind*.so in 0.14, lmdeploy/turbomind/_turbomind*.so and lmdeploy/turbomind/lib64/
+#     in 0.18: 85 MB and 13 MB the PyTorch engine never loads). RECORD loses exactly those lines; every other line,
+#     and with it the hash of every .py file that `lmdeploy-guided-spec apply` checks, stays as published;
 #   - xgrammar and the rest of what lmdeploy's PyTorch engine, its api_server, transformers 4.57, the openai
 #     client and the tests import, pinned to the versions tested on the CPU machine;
 #   - this project (a wheel built here, with the patch series inside) and the test tokenizers.
@@ -16,7 +16,8 @@
 # imports on this path (TurboMind's sentencepiece/tiktoken, aiohttp, accelerate, protobuf, openai-harmony,
 # partial-json-parser, fire, cloudpickle, einops, ray, ...).
 #
-# Usage: bash scripts/gpu_wheelhouse.sh          (PYTHON=... picks the interpreter whose pip downloads)
+# Usage: bash scripts/gpu_wheelhouse.sh          (PYTHON=... picks the interpreter whose pip downloads;
+#                                                 LMDEPLOY_VERSIONS="0.18.0" carries one release only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ if [ -z "$PY" ]; then
 fi
 OUT=.whl
 LIMIT_MIB=60
-LMDEPLOY=lmdeploy==0.14.0
+LMDEPLOY_VERSIONS=${LMDEPLOY_VERSIONS:-0.18.0 0.14.0}
 
 # pip's view of the target machine; binary wheels only, and never a dependency we did not name
 TARGET=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
@@ -65,9 +66,10 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 PIP=("$PY" -m pip --disable-pip-version-check)
 
-echo "[wheelhouse] $LMDEPLOY (cp312), without TurboMind"
-"${PIP[@]}" download -q "${TARGET[@]}" -d "$TMP/lmdeploy" "$LMDEPLOY"
-"$PY" - "$TMP"/lmdeploy/lmdeploy-*.whl "$OUT" <<'EOF'
+for version in $LMDEPLOY_VERSIONS; do
+echo "[wheelhouse] lmdeploy $version (cp312), without TurboMind"
+"${PIP[@]}" download -q "${TARGET[@]}" -d "$TMP/lmdeploy-$version" "lmdeploy==$version"
+"$PY" - "$TMP/lmdeploy-$version"/lmdeploy-*.whl "$OUT" <<'EOF'
 """Rewrite the lmdeploy wheel without lmdeploy/lib/_turbomind*.so; check RECORD against every member."""
 import base64
 import hashlib
@@ -80,9 +82,11 @@ src, out = Path(sys.argv[1]), Path(sys.argv[2])
 dst = out / src.name
 with zipfile.ZipFile(src) as zin:
     names = zin.namelist()
-    drop = {n for n in names if re.fullmatch(r'lmdeploy/lib/_turbomind[^/]*\.so', n)}
+    drop = {n for n in names if re.fullmatch(r'lmdeploy/(lib|turbomind)/_turbomind[^/]*\.so', n)
+            or re.fullmatch(r'lmdeploy/turbomind/lib64/[^/]+\.a', n)}
     if not drop:
-        sys.exit(f'{src.name} holds no lmdeploy/lib/_turbomind*.so; nothing to strip')
+        sys.exit(f'{src.name} holds no TurboMind binary (lmdeploy/lib/ or lmdeploy/turbomind/_turbomind*.so); '
+                 'nothing to strip')
     record = next(n for n in names if re.fullmatch(r'[^/]+\.dist-info/RECORD', n))
     with zipfile.ZipFile(dst, 'w', zipfile.ZIP_DEFLATED) as zout:
         for info in zin.infolist():
@@ -113,6 +117,7 @@ with zipfile.ZipFile(dst) as z:
 mib = lambda p: p.stat().st_size / 2**20  # noqa: E731
 print(f'  {src.name}: {mib(src):.1f} MiB -> {mib(dst):.1f} MiB without {", ".join(sorted(drop))}')
 EOF
+done
 
 echo "[wheelhouse] engine, server and test dependencies (cp312 / py3 wheels)"
 "${PIP[@]}" download -q "${TARGET[@]}" -d "$OUT" "${ENGINE[@]}" "${SERVER[@]}" "${TESTS[@]}"
