@@ -182,13 +182,14 @@ class DraftGrammar:
         if self.sparse is not None:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
+            rows = self.masks[live, position]
             verify_rows = [row * width + position for row in live]
             if self.vocab_map is None:
-                draft, verify = self.sparse.build(self.masks[live, position], live, verify_rows)
+                draft, verify = self.sparse.build(rows, live, verify_rows)
             else:
                 # a draft with its own vocabulary: translate here, on the worker, not on the engine thread
-                verify, = self.sparse.build(self.masks[live, position], verify_rows)
-                draft = (self.vocab_map.sparse_builder().build(self.masks[live, position], live)[0]
+                verify, = self.sparse.build(rows, verify_rows)
+                draft = (self.vocab_map.sparse_builder().build(rows, live)[0]
                          if position < self.num_spec_tokens else None)
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)

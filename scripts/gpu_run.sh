@@ -11,7 +11,7 @@
 #   GPU_RESULTS=DIR bash scripts/gpu_run.sh    # also keep the test reports and the benchmark tables in DIR
 #   PYTEST_ARGS='-k kernel' ...                # passed to pytest
 #
-# The virtual environments (GPU_VENV/<version>, default .whl/venv-<version>) see the system's packages
+# The virtual environments (GPU_VENV/venv-<version>, default .whl/venv-<version>) see the system's packages
 # (--system-site-packages); the kit's wheels shadow them where versions differ (transformers 4.57, tokenizers 0.22,
 # huggingface_hub 0.36, ...).
 set -euo pipefail
@@ -59,7 +59,7 @@ print(f'[gpu] {torch.cuda.get_device_name()}, torch {torch.__version__}, triton 
       f'python {sys.version.split()[0]}')
 EOF
 
-# install the kit with lmdeploy VERSION into DIR and apply (or, with "revert", take back) that release's series
+# install the kit with lmdeploy VERSION into DIR and apply that release's series
 install() {
     local version=$1 venv=$2
     echo "[gpu] lmdeploy $version: installing .whl/ into $venv"

@@ -15,7 +15,6 @@ INVALID = [
 FAILED = 'Invalid response_format|Unsupported response format|unsupported format type'
 
 
-
 @pytest.mark.parametrize('method', list(METHODS))
 def test_invalid_format_fails_alone(engines, method):
     pipe = engines(METHODS[method])

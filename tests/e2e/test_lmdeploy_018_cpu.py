@@ -65,14 +65,6 @@ def _recorded(pipe, configs):
     return outputs, sum(len(r.drafts) for r in rows), sum(r.accepted for r in rows)
 
 
-def _series_applied() -> bool:
-    from lmdeploy_guided_spec.series.files import find_series
-    from lmdeploy_guided_spec.series.installed import locate_installed
-    from lmdeploy_guided_spec.series.patching import status
-    target = locate_installed()
-    return status(target, find_series(target.version)).overall == 'applied'
-
-
 def test_fa3_is_absent_and_the_cpu_backend_is_the_0_18_one(cpu_path):
     """Upstream refuses speculative decoding without FA3 (the series lets the causal Triton window verify instead);
     the CPU path never reaches that check."""
@@ -80,8 +72,9 @@ def test_fa3_is_absent_and_the_cpu_backend_is_the_0_18_one(cpu_path):
     from lmdeploy.pytorch.backends.cuda import attention
 
     from lmdeploy_guided_spec.cpu import lmdeploy_0_18
+    from lmdeploy_guided_spec.series.patching import installed_is_applied
     assert not attention.use_fa3
-    if _series_applied():
+    if installed_is_applied():
         attention.require_fa3_for_speculative_decoding()
     else:
         with pytest.raises(RuntimeError, match='FlashAttention-3'):
