@@ -379,6 +379,9 @@ def main(argv=None) -> int:
     parser.add_argument('--threads', type=int, default=1,
                         help="torch threads (default 1: the other core is the grammar worker's)")
     parser.add_argument('--column-timeout', type=float, default=0, help='seconds per column (0: no limit)')
+    parser.add_argument('--dump', metavar='FILE',
+                        help='write every request and its non-speculative output to FILE (JSON), for '
+                        'benchmarks/guess_replay.py')
     parser.add_argument('--engine-worker', metavar='JSON', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.engine_worker:
@@ -447,6 +450,12 @@ def main(argv=None) -> int:
         compiled_grammar = compiled[request['name'], request['whitespace']][0]
         shares[request['id']] = forced_share(tokens, compiled_grammar, vocab, forced_tokenizer)
     figures = print_tables(items, compiled, requests, runs, columns, shares, whitespaces, kinds)
+    if args.dump:
+        by_name = {item['name']: item for item in items}
+        Path(args.dump).write_text(json.dumps([
+            dict(id=r['id'], kind=r['kind'], whitespace=r['whitespace'], messages=r['messages'],
+                 schema=by_name[r['name']]['schema'], tokens=runs['non-spec'][r['id']]['tokens'],
+                 forwards={c: runs[c][r['id']]['forwards'] for c in columns}) for r in requests]))
 
     print('\n== schemas that fail ==')
     for item, whitespace, error in failed:

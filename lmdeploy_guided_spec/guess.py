@@ -6,11 +6,14 @@ every structural character. Two more draft sources fill the positions where noth
 * **formatting**: where the grammar allows whitespace and then forces text (a property name, ``:``, a closing
   bracket), draft the whitespace this request wrote at the same grammatical place before (or its most common
   choice, then the engine's; :mod:`lmdeploy_guided_spec.layout`), then the forced text after it, and on through
-  further whitespace places as long as one byte at a time is all the grammar allows besides whitespace. The text is
-  written as the tokenizer writes it (:meth:`ForcedTokenizer.tokenize`);
+  further whitespace places; where several bytes may follow a run (a key's quote or a closing bracket), the one that
+  followed this kind of place most often. The text is written as the tokenizer writes it
+  (:meth:`ForcedTokenizer.tokenize`), except that punctuation is split into the punctuation tokens the request wrote
+  (:meth:`RequestHistory.as_written`);
 * **context**: for values the grammar does not force, the continuation of the longest recent suffix of the output
   found earlier in the output or in the prompt (prompt lookup), as the tokenizer writes it; a position whose mask
-  disallows the next token ends the guess.
+  disallows the next token ends the guess. A copy from the output that runs to the output's end leaves its last
+  token out (the output's end is no token boundary of the copy).
 
 Per position, :class:`GuessWindow` drafts the token the grammar forces, else the next token of the current guess
 while the grammar allows it, else a new formatting guess, else a new context guess, else nothing. Guesses are
@@ -44,6 +47,8 @@ MAX_FORMAT_BYTES = 96
 #: Suffix lengths (bytes) a context lookup tries, longest first, and the bytes of context it copies.
 LOOKUP_NEEDLES = (32, 16, 8, 4, 3)
 MAX_LOOKUP_BYTES = 48
+#: Longest punctuation token a request's pieces keep (:meth:`RequestHistory.learn`).
+MAX_PIECE_BYTES = 16
 #: Weight of the newest window in a source's acceptance rate, and the rate a request starts with.
 RATE_WEIGHT = 0.3
 INITIAL_RATE = 0.75
@@ -81,19 +86,22 @@ def _has_word(data: bytes) -> bool:
 #: (:data:`VALUE_END_BYTES`), and at the punctuation prose puts after a name or a figure when whitespace follows it
 #: (:data:`PROSE_END_BYTES`; so not inside a URL, a time or a number).
 VALUE_END_BYTES = frozenset(b'"\n')
+WHITESPACE_BYTES = frozenset(bytes((b, )) for b in WHITESPACE)
 PROSE_END_BYTES = frozenset(b':;.)]}')
 _NUMBER_BYTES = frozenset(b'0123456789+-.eE')
+#: The bytes a formatting guess may take as the one after a whitespace run where several may follow.
+STRUCTURAL = frozenset(b'"{}[],:')
 
 
-def _value_end(found: bytes, layout: JsonLayout, last: int | None) -> int | None:
+def _value_end(found: bytes, layout: JsonLayout, last: int | None, ends: bool = True) -> int | None:
     """Where the value the output is writing ends in copied text ``found``: the offset of the first byte that does
     not belong to it, or None when it runs to the end of ``found``.
 
     In a string (``layout.in_string``) the value ends at :data:`VALUE_END_BYTES`, or at :data:`PROSE_END_BYTES`
-    followed by whitespace: what the copy's source writes after it is prose or another JSON value, while the output
-    closes its string. A comma does not end it (values hold commas: a place, a list in prose). Outside a string (a
-    number) it ends at the first byte a number does not hold (a full stop only before a digit); ``last`` is the
-    output's last byte, so a number is being written when it is a digit.
+    followed by whitespace (or by the end of the source, where ``ends``): what the copy's source writes after it is
+    prose or another JSON value, while the output closes its string. A comma does not end it (values hold commas: a
+    place, a list in prose). Outside a string (a number) it ends at the first byte a number does not hold (a full stop
+    only before a digit); ``last`` is the output's last byte, so a number is being written when it is a digit.
     """
     if layout.in_string:
         if layout.escape:
@@ -103,7 +111,8 @@ def _value_end(found: bytes, layout: JsonLayout, last: int | None) -> int | None
                 return None
             if byte in VALUE_END_BYTES:
                 return index
-            if byte in PROSE_END_BYTES and (index + 1 == len(found) or found[index + 1] in WHITESPACE):
+            if byte in PROSE_END_BYTES and (found[index + 1:index + 2] in WHITESPACE_BYTES
+                                            or (ends and index + 1 == len(found))):
                 return index
         return None
     if layout.run or last is None or not 48 <= last <= 57:
@@ -125,6 +134,9 @@ class RequestHistory:
         self.rates = dict.fromkeys(SOURCES, INITIAL_RATE)
         # (token, source) of the last window's drafts, compared with the next commit
         self.pending: list[tuple[int, str]] | None = None
+        #: Bytes -> token of every token without letters or digits this request wrote (its way of splitting JSON's
+        #: punctuation and whitespace into tokens, see :meth:`as_written`)
+        self.pieces: dict[bytes, int] = {}
 
     def budget(self, source: str, num_spec_tokens: int) -> int:
         """Guess tokens ``source`` may draft in one window: about the run its acceptance rate expects, at least 1."""
@@ -137,6 +149,33 @@ class RequestHistory:
         """Committed output bytes."""
         self.output += data
         self.layout.feed(data, self.memory)
+
+    def learn(self, tokens: Sequence[int], token_bytes) -> None:
+        """Remember the punctuation tokens among committed ``tokens`` (``token_bytes(token)``: their bytes)."""
+        for token in tokens:
+            data = token_bytes(token)
+            if data and not _has_word(data) and len(data) <= MAX_PIECE_BYTES:
+                self.pieces[data] = token
+
+    def as_written(self, ids: Sequence[int], token_bytes) -> list[int]:
+        """``ids`` (a canonical tokenization) with every punctuation token this request never wrote split into
+        punctuation tokens it did write, where they spell it exactly (fewest pieces).
+
+        A model writes JSON's punctuation in pieces of its own: SmolLM2 writes ``":`` then ``"`` where the canonical
+        tokenization of ``":"`` is one token, and it keeps doing so within a request. Tokens of whitespace alone are
+        kept whole.
+        """
+        pieces = self.pieces
+        out: list[int] = []
+        for token in ids:
+            data = token_bytes(token)
+            split = None
+            # whitespace alone is left whole: a model writes an indentation as the tokenizer does
+            if (pieces and len(data) > 1 and data not in pieces and not _has_word(data)
+                    and not all(byte in WHITESPACE for byte in data)):
+                split = _spell(data, pieces)
+            out.extend(split if split is not None else (token, ))
+        return out
 
     def verified(self, tokens: Sequence[int], stats: Counter) -> None:
         """Compare the last window's drafts with the tokens committed after it; update rates and ``stats``."""
@@ -162,6 +201,18 @@ class RequestHistory:
             tried = sum(1 for _, s in drafts[:accepted + 1] if s == source)
             if source in self.rates and tried:
                 self.rates[source] = (1 - RATE_WEIGHT) * self.rates[source] + RATE_WEIGHT * hits / tried
+
+
+def _spell(data: bytes, pieces: Mapping[bytes, int]) -> list[int] | None:
+    """The fewest ``pieces`` (bytes -> token) that spell ``data`` exactly, in order, or None."""
+    best: list[list[int] | None] = [[]] + [None] * len(data)
+    for end in range(1, len(data) + 1):
+        for start in range(end):
+            piece = pieces.get(data[start:end])
+            if piece is not None and best[start] is not None and (best[end] is None
+                                                                  or len(best[start]) + 1 < len(best[end])):
+                best[end] = best[start] + [piece]
+    return best[-1]
 
 
 class _Row:
@@ -244,8 +295,7 @@ class GuessWindow:
         """Whitespace as the request writes it and the text the grammar forces around it, from the fork's state
         (and ``layout``, the row's by default)."""
         layout = (state.layout if layout is None else layout).copy()
-        if layout.in_string:
-            return b''
+        # inside a string only text the grammar forces can follow (the end of a key: '":')
         probe = fork.fork()
         memory = state.history.memory
         text = bytearray()
@@ -265,6 +315,10 @@ class GuessWindow:
                 break
             others = allowed - WHITESPACE
             after = next(iter(others)) if len(others) == 1 else None
+            if after is None and others & STRUCTURAL:
+                # several bytes may follow (a key or a closing bracket): the one this kind of place had most often;
+                # not a digit (a number may go on or end here)
+                after = memory.likely_after(layout.last, others & STRUCTURAL)
             run = memory.predict(layout.last, layout.depth, after)
             if run is None or not run.startswith(layout.run):
                 break
@@ -289,12 +343,16 @@ class GuessWindow:
             return []
         # the tail that could be written together with what follows is a guess too (the structural character alone,
         # as models write it, is the usual choice)
-        return list(self.guesses.tokenizer.tokenize(text)[0])
+        return self._as_written(state, self.guesses.tokenizer.tokenize(text)[0])
+
+    def _as_written(self, state: _Row, ids: Sequence[int]) -> list[int]:
+        return state.history.as_written(ids, self.guesses.tokenizer.token_bytes)
 
     # -- context lookup -----------------------------------------------------------------------------------------
     def _lookup_text(self, state: _Row) -> tuple[bytes, bool, bool]:
         """Context that followed the longest recent suffix of the output elsewhere, whether it reaches the end of
-        its source, and whether it was cut where the output's value ends (:func:`_value_end`)."""
+        the prompt it was copied from (so that its last token is whole), and whether it was cut where the output's
+        value ends (:func:`_value_end`)."""
         out = bytes(state.tail)
         prompt = state.history.prompt
         for size in LOOKUP_NEEDLES:
@@ -314,10 +372,13 @@ class GuessWindow:
             found = bytes(source[start:start + MAX_LOOKUP_BYTES])
             if not found:
                 continue
-            end = _value_end(found, state.layout, out[-1])
+            # a copy that runs to the end of the prompt ends where the prompt does; one that runs to the end of the
+            # output ends where the output's last token does, which says nothing of where the copy's tokens end
+            complete = source is prompt and start + MAX_LOOKUP_BYTES >= len(source)
+            end = _value_end(found, state.layout, out[-1], ends=complete)
             if end is not None:
                 return found[:end], False, True
-            return found, start + MAX_LOOKUP_BYTES >= len(source), False
+            return found, complete, False
         return b'', False, False
 
     def _lookup_plan(self, state: _Row, fork) -> list[int]:
@@ -333,7 +394,7 @@ class GuessWindow:
                 return []
             layout.feed(data + close)
             text = _decode(data + close + self._format_text(state, probe, layout))
-            return list(self.guesses.tokenizer.tokenize(text)[0]) if text else []
+            return self._as_written(state, self.guesses.tokenizer.tokenize(text)[0]) if text else []
         text = _decode(data)
         if not text:
             return []
@@ -411,6 +472,7 @@ class GuessDrafts:
                 tokens = tokens[:tokens.index(-1)]
             history.verified(tokens, self.stats)
             history.write(b''.join(vocab_bytes(t) for t in tokens))
+            history.learn(tokens, vocab_bytes)
 
     def window(self, matchers: Mapping, session_ids: Sequence[int] | None, prompt_ids: Sequence | None,
                num_spec_tokens: int) -> GuessWindow | None:

@@ -119,6 +119,8 @@ class WhitespaceMemory:
         self._kinds: dict[tuple[int, int], Counter] = {}
         # before -> Counter of runs written whatever came after (for places where several values may follow)
         self._before: dict[int, Counter] = {}
+        # kind of before -> Counter of the bytes written after its run
+        self._after: dict[int, Counter] = {}
 
     def observe(self, place: Place, run: bytes) -> None:
         """Record that ``run`` was written at ``place``."""
@@ -127,8 +129,21 @@ class WhitespaceMemory:
         key = ('unit', unit) if unit is not None else ('run', run)
         self._kinds.setdefault(_kind(place[0], place[2]), Counter())[key] += 1
         self._before.setdefault(place[0], Counter())[key] += 1
+        self._after.setdefault(_kind(place[0], place[2])[0], Counter())[place[2]] += 1
         if self.fallback is not None:
             self.fallback.observe(place, run)
+
+    def likely_after(self, before: int, candidates: set[int] | frozenset[int]) -> int | None:
+        """Of ``candidates`` (bytes the grammar allows after a whitespace run that follows ``before``), the one
+        written most often after this kind of place; the fallback memory's if this one never saw any of them."""
+        counts = self._after.get(_kind(before, 0)[0])
+        if counts:
+            found = max(candidates, key=lambda byte: (counts.get(byte, 0), -byte))
+            if counts.get(found, 0):
+                return found
+        if self.fallback is not None:
+            return self.fallback.likely_after(before, candidates)
+        return None
 
     @staticmethod
     def _render(key: tuple[str, bytes], place: Place) -> bytes:

@@ -333,3 +333,108 @@ def test_guesses_in_draft_model_windows():
         else:
             assert stats['format_drafted'] == 0 and stats['lookup_drafted'] == 0, 'no guesses unless asked for'
     assert totals[True] < 0.8 * totals[False], totals
+
+
+# -- the request's own punctuation pieces, the byte after a whitespace run, copies from the output -----------------
+def test_punctuation_is_drafted_in_the_pieces_the_request_writes():
+    """``as_written`` splits a punctuation token the request never wrote into punctuation tokens it did write;
+    whitespace alone, tokens with letters and tokens it cannot spell stay whole."""
+    name = 'llama3'
+    tokenizer = _manager(name).forced_tokenizer
+    ids = {text: _encode(name, text) for text in ('":"', '":', '"', '   ', ' ', 'abc', '"}')}
+    assert all(len(v) == 1 for k, v in ids.items() if k != 'abc'), ids
+    history = RequestHistory()
+    assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":"'], 'nothing written: canonical'
+    history.learn(ids['":'] + ids['"'] + ids[' '] + ids['abc'], tokenizer.token_bytes)
+    assert b'abc' not in history.pieces, 'only tokens without letters or digits are pieces'
+    assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":'] + ids['"']
+    assert history.as_written(ids['   '], tokenizer.token_bytes) == ids['   '], 'whitespace stays whole'
+    assert history.as_written(ids['"}'], tokenizer.token_bytes) == ids['"}'], 'no written pieces spell it'
+    history.learn(ids['":"'], tokenizer.token_bytes)
+    assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":"'], 'written whole: kept whole'
+
+
+def _forwards_without(monkeypatch, cls, attr, replacement, name, tokens, compiled):
+    """Target forwards of formatting guesses on ``tokens``, with ``cls.attr`` replaced (``cls`` None: as it is);
+    the output must be the target's."""
+    with monkeypatch.context() as patch:
+        if cls is not None:
+            patch.setattr(cls, attr, replacement)
+        out, seq, forwards, _ = _decode(_manager(name, ['format']), tokens, (None, compiled))
+    assert out == seq
+    return forwards
+
+
+def _split_style(name, text):
+    """Tokens of ``text`` as a model that writes every ``":"`` as ``":`` then ``"`` does."""
+    whole, colon, quote = _encode(name, '":"'), _encode(name, '":'), _encode(name, '"')
+    out = []
+    for token in _encode(name, text):
+        out += colon + quote if [token] == whole else [token]
+    return out
+
+
+@pytest.mark.parametrize('name', ['llama3', 'qwen3', pytest.param('smollm2', marks=needs_smollm2)])
+def test_formatting_follows_the_requests_punctuation_pieces(name, monkeypatch):
+    """A model that splits ``":"`` (SmolLM2 does): formatting guesses split it the same way after the request did
+    once, and save forwards over canonical guesses; the output is the same."""
+    if len(_encode(name, '":"')) != 1:
+        pytest.skip('the tokenizer has no ":" token')
+    info = _tokenizer(name)[1]
+    fields = ('title', 'author', 'city', 'country', 'language', 'genre', 'format')
+    schema = {'type': 'object', 'properties': {field: {'type': 'string'} for field in fields},
+              'required': list(fields)}
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    text = json.dumps({field: f'some {field}' for field in fields}, separators=(',', ':'))
+    tokens = _split_style(name, text)
+    assert tokens != _encode(name, text)
+    off = _forwards_without(monkeypatch, RequestHistory, 'as_written', lambda self, ids, token_bytes: list(ids),
+                            name, tokens, compiled)
+    on = _forwards_without(monkeypatch, None, None, None, name, tokens, compiled)
+    assert on < off, (on, off)
+
+
+def test_the_byte_after_a_whitespace_run_is_the_one_the_place_had_most():
+    memory = WhitespaceMemory()
+    JsonLayout().feed(b'{\n  "a": {\n    "x": 1\n  },\n  "b": {}\n}', memory)
+    brace, quote, close = ord('{'), ord('"'), ord('}')
+    assert memory.likely_after(brace, {quote, close}) == quote, 'items start with a key more often than they end'
+    assert memory.likely_after(ord(','), {quote, close}) == quote, '"{" and "," start items alike'
+    assert memory.likely_after(ord(':'), {ord('t'), ord('f')}) is None, 'never seen: no guess'
+    assert WhitespaceMemory(memory).likely_after(brace, {quote, close}) == quote, 'the engine remembers'
+
+
+@pytest.mark.parametrize('name', ['llama3', 'qwen3', pytest.param('smollm2', marks=needs_smollm2)])
+def test_formatting_drafts_through_a_place_where_a_key_or_a_bracket_may_follow(name, monkeypatch):
+    """A map of maps: after ``{`` the grammar allows a key or ``}``; the formatting guess writes the indentation and
+    the key's quote together, as the tokenizer does, and saves forwards; the output is the same."""
+    info = _tokenizer(name)[1]
+    schema = {'type': 'object', 'additionalProperties': {'type': 'object', 'additionalProperties': {'type': 'string'}}}
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    instance = {code: {'lang': code, 'name': f'language {code}'} for code in ('en', 'fr', 'tr', 'de', 'es')}
+    tokens = _encode(name, json.dumps(instance, indent=2))
+    off = _forwards_without(monkeypatch, WhitespaceMemory, 'likely_after', lambda self, before, candidates: None,
+                            name, tokens, compiled)
+    on = _forwards_without(monkeypatch, None, None, None, name, tokens, compiled)
+    assert on < off, (on, off)
+
+
+@pytest.mark.parametrize('name', ['llama3', 'qwen3', pytest.param('smollm2', marks=needs_smollm2)])
+def test_a_copy_from_the_output_that_reaches_its_end_is_not_a_whole_value(name):
+    """A copy from the output runs to where the output's last token ends, which is no end of the copied value: a
+    ``:`` there does not close the string, and the copy's last token is left out. A value that repeats itself (a
+    small model in a loop) is then drafted on from its earlier copy."""
+    from lmdeploy_guided_spec.guess import _value_end
+    layout = JsonLayout()
+    layout.feed(b'{"url": "https')
+    assert _value_end(b'https:', layout, ord('s'), ends=True) == 5, 'the end of the prompt ends the value'
+    assert _value_end(b'https:', layout, ord('s'), ends=False) is None
+    assert _value_end(b'https: x', layout, ord('s'), ends=False) == 5, 'prose punctuation before a space does'
+    info = _tokenizer(name)[1]
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(
+        {'type': 'object', 'properties': {'url': {'type': 'string'}}, 'required': ['url']}))
+    tokens = _encode(name, json.dumps({'url': 'https:' * 20}))
+    manager = _manager(name, ['lookup'])
+    out, seq, forwards, _ = _decode(manager, tokens, (None, compiled))
+    assert out == seq
+    assert forwards * 2 < len(seq), (forwards, len(seq))
