@@ -21,7 +21,10 @@ identical token for token to the non-speculative one. Tokens per target forward 
 included) over every target forward of the request (prefill included). Wall times are seconds on this machine,
 measured in one run side by side; compare them as ratios.
 
-``--quick`` runs two schemas of four categories, 96 new tokens, non-speculative and grammar k=8 only.
+``--quick`` runs two schemas of four categories, 96 new tokens, non-speculative and grammar k=8 only. Two columns
+run only when named in ``--columns``: ``grammar k=8 fixed guesses`` and ``grammar k=1 forced only`` (every step
+verifies two positions: the cost of one extra position, the bound for free text). ``--dump FILE`` writes every
+request and its non-speculative output for ``benchmarks/guess_replay.py``.
 Last line: ``jsb_grammar_tokens_per_forward <grammar k=8, default whitespace, all JSONSchemaBench categories>``.
 """
 from __future__ import annotations
@@ -51,11 +54,13 @@ COLUMNS = {
     'grammar k=8': ('grammar', 8, True),
     'grammar k=8 forced only': ('grammar', 8, False),
     'grammar k=8 fixed guesses': ('grammar', 8, 'fixed'),
+    'grammar k=1 forced only': ('grammar', 1, False),
     'eagle k=4': ('eagle', 4, True),
 }
 HEADLINE = 'grammar k=8'
-#: Left out of the default columns (a side-by-side for the adaptive guess budgets, asked for with --columns)
-QUICK_ONLY = 'grammar k=8 fixed guesses'
+#: Left out of the default columns, asked for with --columns: a side-by-side for the adaptive guess budgets, and the
+#: cost of verifying one extra position per step (k=1: every step verifies two positions, drafts only forced tokens)
+QUICK_ONLY = ('grammar k=8 fixed guesses', 'grammar k=1 forced only')
 
 
 # -- schemas and prompts ---------------------------------------------------------------------------------------------
@@ -367,7 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument('--per-category', type=int, default=12, help='schemas per category (0: all)')
     parser.add_argument('--max-new-tokens', type=int, default=256)
     parser.add_argument('--columns', help=f'comma list from: {", ".join(COLUMNS)} (default: all but '
-                        f'{QUICK_ONLY!r})')
+                        f'{" and ".join(map(repr, QUICK_ONLY))})')
     parser.add_argument('--whitespace', default='any,single', help='comma list from: any, single')
     parser.add_argument('--kinds', default='object,extract', help='prompt kinds: object, extract')
     parser.add_argument('--no-prompt-ids', action='store_true',
@@ -391,7 +396,7 @@ def main(argv=None) -> int:
         args.categories = args.categories or 'Github_easy,Glaiveai2K,JsonSchemaStore,handwritten'
         args.per_category, args.max_new_tokens = 2, 96
         args.columns, args.whitespace = args.columns or 'non-spec,grammar k=8', 'any'
-    args.columns = args.columns or ','.join(c for c in COLUMNS if c != QUICK_ONLY)
+    args.columns = args.columns or ','.join(c for c in COLUMNS if c not in QUICK_ONLY)
     columns = [c.strip() for c in args.columns.split(',') if c.strip()]
     if columns[0] != 'non-spec':
         columns.insert(0, 'non-spec')
