@@ -33,17 +33,18 @@ LABELS = {'forced': 'F', 'format': 'W', 'lookup': 'L', 'model': 'M'}
 
 
 def replay(manager, compiled, prompt_ids: list[int], tokens: list[int], k: int, eos: int, show=None) -> dict:
-    """Step through one request; returns forwards, tokens and the drafts' fate per source."""
+    """Step through one request; returns forwards, tokens and the drafted and accepted tokens per source."""
     import xgrammar as xgr
     matcher = xgr.GrammarMatcher(compiled)
     tokens = [eos if t < 0 else t for t in tokens]
+    stats_before = dict(manager.guesses.stats) if manager.guesses is not None else {}
     # prefill writes the first token
     manager.commit({0: matcher}, [[tokens[0]]], session_ids=[0])
-    pos, forwards, first = 1, 1, True
-    counts = defaultdict(int)
+    pos, forwards = 1, 1
     while pos < len(tokens) and not matcher.is_terminated():
-        drafts = manager.propose({0: matcher}, 1, k, session_ids=[0], prompt_ids=[prompt_ids] if first else None)
-        first = False
+        # the series hands the prompt over at prefill: with the first window
+        drafts = manager.propose({0: matcher}, 1, k, session_ids=[0],
+                                 prompt_ids=[prompt_ids] if forwards == 1 else None)
         history = manager.guesses.history(matcher, create=False) if manager.guesses is not None else None
         sources = [s for _, s in history.pending] if history is not None and history.pending else []
         drafts = drafts[0].tolist()
@@ -51,9 +52,6 @@ def replay(manager, compiled, prompt_ids: list[int], tokens: list[int], k: int, 
         while accepted < k and pos + accepted < len(tokens) and drafts[accepted] == tokens[pos + accepted]:
             accepted += 1
         committed = tokens[pos:pos + accepted + 1]
-        for index, source in enumerate(sources):
-            counts[f'{source}_drafted'] += 1
-            counts[f'{source}_accepted'] += index < accepted
         if show is not None:
             text = manager.forced_tokenizer.token_bytes
             marks = []
@@ -66,6 +64,9 @@ def replay(manager, compiled, prompt_ids: list[int], tokens: list[int], k: int, 
         pos += len(committed)
         forwards += 1
     manager.forget([0])
+    # drafted and accepted tokens per source, as the core counts them at every commit (GuessDrafts.stats)
+    counts = {key: value - stats_before.get(key, 0) for key, value in manager.guesses.stats.items()
+              if key.endswith(('_drafted', '_accepted'))} if manager.guesses is not None else {}
     # the engine runs one forward more than the request commits tokens for (lmdeploy's count, as the benchmark's)
     return dict(forwards=forwards + 1, tokens=len(tokens), **counts)
 

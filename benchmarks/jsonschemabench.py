@@ -455,8 +455,8 @@ def main(argv=None) -> int:
         compiled_grammar = compiled[request['name'], request['whitespace']][0]
         shares[request['id']] = forced_share(tokens, compiled_grammar, vocab, forced_tokenizer)
     figures = print_tables(items, compiled, requests, runs, columns, shares, whitespaces, kinds)
+    by_name = {item['name']: item for item in items}
     if args.dump:
-        by_name = {item['name']: item for item in items}
         Path(args.dump).write_text(json.dumps([
             dict(id=r['id'], kind=r['kind'], whitespace=r['whitespace'], messages=r['messages'],
                  schema=by_name[r['name']]['schema'], tokens=runs['non-spec'][r['id']]['tokens'],
@@ -465,7 +465,6 @@ def main(argv=None) -> int:
     print('\n== schemas that fail ==')
     for item, whitespace, error in failed:
         print(f'{item["category"]}/{item["name"]} ({whitespace}): does not compile: {error}')
-    by_name = {item['name']: item for item in items}
     for request in requests:
         result = runs['non-spec'][request['id']]
         if result['error']:

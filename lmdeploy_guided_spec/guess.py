@@ -86,7 +86,6 @@ def _has_word(data: bytes) -> bool:
 #: (:data:`VALUE_END_BYTES`), and at the punctuation prose puts after a name or a figure when whitespace follows it
 #: (:data:`PROSE_END_BYTES`; so not inside a URL, a time or a number).
 VALUE_END_BYTES = frozenset(b'"\n')
-WHITESPACE_BYTES = frozenset(bytes((b, )) for b in WHITESPACE)
 PROSE_END_BYTES = frozenset(b':;.)]}')
 _NUMBER_BYTES = frozenset(b'0123456789+-.eE')
 #: The bytes a formatting guess may take as the one after a whitespace run where several may follow.
@@ -111,8 +110,7 @@ def _value_end(found: bytes, layout: JsonLayout, last: int | None, ends: bool = 
                 return None
             if byte in VALUE_END_BYTES:
                 return index
-            if byte in PROSE_END_BYTES and (found[index + 1:index + 2] in WHITESPACE_BYTES
-                                            or (ends and index + 1 == len(found))):
+            if byte in PROSE_END_BYTES and (found[index + 1] in WHITESPACE if index + 1 < len(found) else ends):
                 return index
         return None
     if layout.run or last is None or not 48 <= last <= 57:
@@ -150,10 +148,9 @@ class RequestHistory:
         self.output += data
         self.layout.feed(data, self.memory)
 
-    def learn(self, tokens: Sequence[int], token_bytes) -> None:
-        """Remember the punctuation tokens among committed ``tokens`` (``token_bytes(token)``: their bytes)."""
-        for token in tokens:
-            data = token_bytes(token)
+    def learn(self, tokens: Sequence[int], pieces: Sequence[bytes]) -> None:
+        """Remember the punctuation tokens among committed ``tokens`` (``pieces``: the bytes of each)."""
+        for token, data in zip(tokens, pieces):
             if data and not _has_word(data) and len(data) <= MAX_PIECE_BYTES:
                 self.pieces[data] = token
 
@@ -315,10 +312,11 @@ class GuessWindow:
                 break
             others = allowed - WHITESPACE
             after = next(iter(others)) if len(others) == 1 else None
-            if after is None and others & STRUCTURAL:
+            structural = others & STRUCTURAL
+            if after is None and structural:
                 # several bytes may follow (a key or a closing bracket): the one this kind of place had most often;
                 # not a digit (a number may go on or end here)
-                after = memory.likely_after(layout.last, others & STRUCTURAL)
+                after = memory.likely_after(layout.last, structural)
             run = memory.predict(layout.last, layout.depth, after)
             if run is None or not run.startswith(layout.run):
                 break
@@ -471,8 +469,9 @@ class GuessDrafts:
             if -1 in tokens:
                 tokens = tokens[:tokens.index(-1)]
             history.verified(tokens, self.stats)
-            history.write(b''.join(vocab_bytes(t) for t in tokens))
-            history.learn(tokens, vocab_bytes)
+            pieces = [vocab_bytes(t) for t in tokens]
+            history.write(b''.join(pieces))
+            history.learn(tokens, pieces)
 
     def window(self, matchers: Mapping, session_ids: Sequence[int] | None, prompt_ids: Sequence | None,
                num_spec_tokens: int) -> GuessWindow | None:

@@ -345,22 +345,19 @@ def test_punctuation_is_drafted_in_the_pieces_the_request_writes():
     assert all(len(v) == 1 for k, v in ids.items() if k != 'abc'), ids
     history = RequestHistory()
     assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":"'], 'nothing written: canonical'
-    history.learn(ids['":'] + ids['"'] + ids[' '] + ids['abc'], tokenizer.token_bytes)
+    written = ids['":'] + ids['"'] + ids[' '] + ids['abc']
+    history.learn(written, [tokenizer.token_bytes(t) for t in written])
     assert b'abc' not in history.pieces, 'only tokens without letters or digits are pieces'
     assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":'] + ids['"']
     assert history.as_written(ids['   '], tokenizer.token_bytes) == ids['   '], 'whitespace stays whole'
     assert history.as_written(ids['"}'], tokenizer.token_bytes) == ids['"}'], 'no written pieces spell it'
-    history.learn(ids['":"'], tokenizer.token_bytes)
+    history.learn(ids['":"'], [tokenizer.token_bytes(t) for t in ids['":"']])
     assert history.as_written(ids['":"'], tokenizer.token_bytes) == ids['":"'], 'written whole: kept whole'
 
 
-def _forwards_without(monkeypatch, cls, attr, replacement, name, tokens, compiled):
-    """Target forwards of formatting guesses on ``tokens``, with ``cls.attr`` replaced (``cls`` None: as it is);
-    the output must be the target's."""
-    with monkeypatch.context() as patch:
-        if cls is not None:
-            patch.setattr(cls, attr, replacement)
-        out, seq, forwards, _ = _decode(_manager(name, ['format']), tokens, (None, compiled))
+def _format_forwards(name, tokens, compiled):
+    """Target forwards of formatting guesses on ``tokens``; the output must be the target's."""
+    out, seq, forwards, _ = _decode(_manager(name, ['format']), tokens, (None, compiled))
     assert out == seq
     return forwards
 
@@ -388,9 +385,10 @@ def test_formatting_follows_the_requests_punctuation_pieces(name, monkeypatch):
     text = json.dumps({field: f'some {field}' for field in fields}, separators=(',', ':'))
     tokens = _split_style(name, text)
     assert tokens != _encode(name, text)
-    off = _forwards_without(monkeypatch, RequestHistory, 'as_written', lambda self, ids, token_bytes: list(ids),
-                            name, tokens, compiled)
-    on = _forwards_without(monkeypatch, None, None, None, name, tokens, compiled)
+    with monkeypatch.context() as patch:
+        patch.setattr(RequestHistory, 'as_written', lambda self, ids, token_bytes: list(ids))
+        off = _format_forwards(name, tokens, compiled)
+    on = _format_forwards(name, tokens, compiled)
     assert on < off, (on, off)
 
 
@@ -413,9 +411,10 @@ def test_formatting_drafts_through_a_place_where_a_key_or_a_bracket_may_follow(n
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
     instance = {code: {'lang': code, 'name': f'language {code}'} for code in ('en', 'fr', 'tr', 'de', 'es')}
     tokens = _encode(name, json.dumps(instance, indent=2))
-    off = _forwards_without(monkeypatch, WhitespaceMemory, 'likely_after', lambda self, before, candidates: None,
-                            name, tokens, compiled)
-    on = _forwards_without(monkeypatch, None, None, None, name, tokens, compiled)
+    with monkeypatch.context() as patch:
+        patch.setattr(WhitespaceMemory, 'likely_after', lambda self, before, candidates: None)
+        off = _format_forwards(name, tokens, compiled)
+    on = _format_forwards(name, tokens, compiled)
     assert on < off, (on, off)
 
 
