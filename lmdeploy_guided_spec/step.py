@@ -206,7 +206,8 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
         count = 0
         for token in tokens:
             token = int(token)
-            if token < 0:
+            if token < 0 or has_ended(matcher):
+                # an ended matcher accepts nothing more (and xgrammar would print a warning per token)
                 break
             if not matcher.accept_token(token):
                 # after a stop token nothing is accepted, and a terminating matcher rejects the stop token after the
