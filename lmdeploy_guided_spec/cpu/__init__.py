@@ -143,7 +143,9 @@ def replacements() -> dict[str, list[str]]:
         'other lmdeploy settings': ['lmdeploy.pytorch.envs.enable_check_env (off)'],
         "lmdeploy's engine start (defaults, KV cache sizing, the api_server's engine process)": engine.replaced(),
         "lmdeploy's multiprocess executor (tp > 1 over gloo)": [
-            'mp_executor.Notifier.wait_async, mp_executor.Notifier.set_async (barrier waits off the event loop)'],
+            'mp_executor.Notifier.wait_async, mp_executor.Notifier.set_async (barrier waits off the event loop)',
+            'torch.distributed collectives (an asynchronous one waits for those issued before it on its group, as on '
+            'one NCCL stream)'],
     }
 
 

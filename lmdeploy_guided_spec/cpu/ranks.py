@@ -34,6 +34,10 @@ rank process appends JSON lines to ``<directory>/drafts-rank<R>-pid<P>.jsonl``:
 Every rank runs the same steps in the same order, so the ``i``-th record of a kind describes the same step on
 every rank.
 
+The same hook writes the errors the core logs in a rank process (a grammar that rejects a committed token: on a rank
+that does not sample, a grammar out of step with the sampling rank's) to ``<directory>/errors-pid<P>.jsonl``
+(:func:`read_error_logs`).
+
 Two more things that only ``dp > 1`` exposes:
 
 - with attention data-parallel and MLP tensor-parallel (``tp=2, dp=2``: ``attn_tp`` 1, ``mlp_tp`` 2), each rank's
@@ -57,14 +61,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import multiprocessing
 import os
 import sys
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-__all__ = ['install', 'install_draft_log', 'read_draft_logs', 'DRAFT_LOG_ENV', 'call_ranks', 'grammar_state',
-           'set_grammar_cleanup', 'gather_by_tp_sizes', 'reduce_scatter_by_tp_sizes']
+__all__ = ['install', 'install_draft_log', 'read_draft_logs', 'read_error_logs', 'DRAFT_LOG_ENV', 'call_ranks',
+           'grammar_state', 'set_grammar_cleanup', 'gather_by_tp_sizes', 'reduce_scatter_by_tp_sizes']
 
 #: Directory for per-rank draft logs (unset: no log).
 DRAFT_LOG_ENV = 'LMDEPLOY_GUIDED_SPEC_DRAFT_LOG'
@@ -264,6 +269,74 @@ def _patch_dp_collectives() -> None:
         module.reduce_scatter_by_tp_sizes = reduce_scatter_by_tp_sizes
 
 
+#: The collectives of ``torch.distributed`` whose asynchronous works the CPU path orders (:func:`_patch_in_order`).
+ORDERED_COLLECTIVES = ('broadcast', 'all_reduce', 'reduce', 'all_gather', 'all_gather_into_tensor', 'gather',
+                       'scatter', 'reduce_scatter', 'reduce_scatter_tensor', 'all_to_all', 'all_to_all_single')
+
+
+class _InOrderWork:
+    """An asynchronous gloo work whose ``wait`` first waits for the works issued before it on its group."""
+
+    def __init__(self, work, earlier: list):
+        self._work = work
+        self._earlier = earlier
+
+    def wait(self, *args, **kwargs):
+        for work in self._earlier:
+            work.wait()
+        self._earlier = []
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._earlier) and self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _patch_in_order() -> None:
+    """NCCL's order for gloo's asynchronous collectives.
+
+    NCCL runs the collectives of a group on one stream, in the order they were issued, so lmdeploy waits for the
+    last of several: ``broadcast_next_token`` of the speculative strategy issues four broadcasts (the sampled
+    tokens, their indices, the accepted tokens, the rejected counts) and waits for the last one only. Gloo runs
+    asynchronous collectives on a pool of threads and they finish in any order: a rank that does not sample then
+    read, about once in fifty steps, the zeros it made for the accepted tokens instead of the broadcast ones, drafted
+    from them and committed them to its grammar. Here every asynchronous work of a group waits, when waited for,
+    for the works issued on that group before it.
+    """
+    import threading
+
+    import torch.distributed as dist
+    if getattr(dist.broadcast, _MARK, False):
+        return
+    lock = threading.Lock()
+    pending: dict = {}  # group (None: the default one) -> works issued and not known to be done
+
+    def ordered(collective):
+        import functools
+        import inspect
+        signature = inspect.signature(collective)
+
+        @functools.wraps(collective)
+        def call(*args, **kwargs):
+            work = collective(*args, **kwargs)
+            if work is None:
+                return work
+            group = signature.bind_partial(*args, **kwargs).arguments.get('group')
+            with lock:
+                works = [w for w in pending.get(group, ()) if not w.is_completed()]
+                pending[group] = [*works, work]
+            return _InOrderWork(work, works)
+
+        setattr(call, _MARK, True)
+        return call
+
+    for name in ORDERED_COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, ordered(getattr(dist, name)))
+
+
 #: What gloo says when a peer process of a collective has gone.
 _PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
 
@@ -387,6 +460,7 @@ def set_grammar_cleanup(model_agent, enabled: bool) -> bool:
 def install() -> None:
     """Let lmdeploy's multiprocess executor run its ranks over gloo without deadlock (idempotent)."""
     _patch_notifier()
+    _patch_in_order()
     _patch_loop_failures()
     _patch_dp_collectives()
     _patch_rank_call()
@@ -426,6 +500,21 @@ def install_draft_log() -> None:
     setattr(async_model_forward, _MARK, True)
     SpecModelAgent.async_model_forward = async_model_forward
     BaseSpecModelAgent.post_broadcast = logged_post_broadcast
+    logging.getLogger('lmdeploy_guided_spec').addHandler(_ErrorLog())
+
+
+class _ErrorLog(logging.Handler):
+    """Errors of the core in this process (a grammar that rejects a committed token) to
+    ``<directory>/errors-pid<P>.jsonl``, one JSON string per line, as they are logged."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        directory = os.environ.get(DRAFT_LOG_ENV)
+        if directory:
+            with (Path(directory) / f'errors-pid{os.getpid()}.jsonl').open('a') as f:
+                f.write(json.dumps(record.getMessage()) + '\n')
 
 
 def _append(agent, kind: str, drafts, model_inputs=None, sessions=None) -> None:
@@ -441,6 +530,13 @@ def _append(agent, kind: str, drafts, model_inputs=None, sessions=None) -> None:
     path = Path(directory) / f'drafts-rank{agent.rank}-pid{os.getpid()}.jsonl'
     with path.open('a') as f:
         f.write(json.dumps(record) + '\n')
+
+
+def read_error_logs(directory: str | Path) -> list[str]:
+    """The core's errors logged by the rank processes of a draft-log directory (none when every rank's grammar
+    accepted every committed token)."""
+    return [json.loads(line) for path in sorted(Path(directory).glob('errors-pid*.jsonl'))
+            for line in path.read_text().splitlines() if line]
 
 
 def read_draft_logs(directory: str | Path) -> dict[int, list[dict]]:

@@ -106,6 +106,8 @@ def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
         if out.finish_reason == 'stop':
             check_valid(out.text, fmt.response_format)
     steps = _check_drafts_agree(tmp_path)
+    # every request is valid: a grammar that rejects a committed token on any rank is out of step with rank 0's
+    assert ranks.read_error_logs(tmp_path) == []
     print(f'[tp=2 {method}] {steps} speculative steps, drafts identical on both ranks')
 
 
@@ -132,6 +134,58 @@ def _collectives_rank(rank: int, port: int, results) -> None:
                      torch.allclose(scattered, (outs[0] + outs[1]).split(sizes, -2)[rank])))
     finally:
         dist.destroy_process_group()
+
+
+def _broadcast_rank(rank: int, port: int, steps: int, results) -> None:
+    """One of two gloo ranks: lmdeploy's own broadcast of the sampled tokens (``broadcast_next_token`` of the
+    speculative strategy), ``steps`` times; rank 1 counts the steps where a tensor had not arrived when the
+    broadcast's context exited."""
+    import torch
+    import torch.distributed as dist
+    from lmdeploy.pytorch.strategies.ar_spec.model_agent import ARSpecExtraInputs, ARSpecModelAgentStrategy
+
+    from lmdeploy_guided_spec.cpu import activate
+    activate()
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    dist.init_process_group('gloo', rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        ctx = type('DistContext', (), {'attn_tp_group': type('Group', (), {'gpu_group': group})})
+        strategy = ARSpecModelAgentStrategy(num_spec_tokens=NUM_SPEC_TOKENS)
+        stale = []
+        for step in range(steps):
+            value = step if rank == 0 else -1
+            next_token_ids = torch.full((4,), value)
+            extra = ARSpecExtraInputs(last_token_indices=torch.full((4,), value),
+                                      output_token_ids=torch.full((4, NUM_SPEC_TOKENS + 1), value),
+                                      num_rejected_tokens=torch.full((4,), value))
+            with strategy.broadcast_next_token(next_token_ids, extra, ctx):
+                pass
+            tensors = (next_token_ids, extra.last_token_indices, extra.output_token_ids, extra.num_rejected_tokens)
+            if any(bool((t != step).any()) for t in tensors):
+                stale.append(step)
+        results.put((rank, stale))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sampled_tokens_have_arrived_when_their_broadcast_is_waited():
+    """lmdeploy broadcasts the sampled tokens of a speculative step as four asynchronous broadcasts and waits for
+    the last one only, as NCCL orders them on one stream. Gloo runs asynchronous collectives on a pool of threads, so
+    the CPU path orders them: a rank that does not sample reads this step's tokens, not the zeros it made (seen as a
+    TP follower committing zeros to its grammar and drafting from them)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('spawn')
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(rank, port, 1500, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(240)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    stale = dict(results.get(timeout=5) for _ in procs)
+    assert stale == {0: [], 1: []}, f'steps whose tokens had not arrived: {stale[1][:20]} ({len(stale[1])})'
 
 
 def test_gloo_collectives_of_uneven_sizes():
@@ -182,14 +236,16 @@ def _traffic(n: int) -> tuple[list[str], list]:
     return prompts, configs
 
 
-def test_tp2_no_grammar_state_left(cpu_path):
+def test_tp2_no_grammar_state_left(cpu_path, tmp_path):
     """tp=2 (eagle3): after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers,
-    kept drafting windows, failures or FSM sessions for a finished session. The check sees a leak: with the
-    cleanup switched off in the rank processes, a few more guided requests leave state behind."""
+    kept drafting windows, failures or FSM sessions for a finished session, and no rank's grammar rejected a
+    committed token on the way. The check sees a leak: with the cleanup switched off in the rank processes, a few
+    more guided requests leave state behind."""
     target, draft = METHODS['eagle3']
     start = time.perf_counter()
     # a batch of 64 keeps 200 requests short
-    pipe = _pipeline(target, tp=2, method='eagle3', draft=draft, max_batch_size=64)
+    pipe = _pipeline(target, tp=2, method='eagle3', draft=draft, max_batch_size=64,
+                     env={ranks.DRAFT_LOG_ENV: str(tmp_path)})
     print(f'\n[tp=2 leaks] engine start-up {time.perf_counter() - start:.1f} s')
     try:
         prompts, configs = _traffic(200)
@@ -207,6 +263,8 @@ def test_tp2_no_grammar_state_left(cpu_path):
         for rank, held in state.items():
             assert not _held(held), f'rank {rank} holds grammar state after every session finished: {held}'
         print(f'[tp=2 leaks] after 200 requests: {state}')
+        assert ranks.read_error_logs(tmp_path) == []
+        print(f'[tp=2 leaks] {_check_drafts_agree(tmp_path)} speculative steps, drafts identical on both ranks')
 
         # the same check sees a leak
         assert ranks.call_ranks(pipe, ranks.set_grammar_cleanup, False)[0]
