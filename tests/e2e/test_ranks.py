@@ -236,22 +236,24 @@ def _traffic(n: int) -> tuple[list[str], list]:
     return prompts, configs
 
 
-def test_tp2_no_grammar_state_left(cpu_path, tmp_path):
-    """tp=2 (eagle3): after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers,
-    kept drafting windows, failures or FSM sessions for a finished session, and no rank's grammar rejected a
-    committed token on the way. The check sees a leak: with the cleanup switched off in the rank processes, a few
-    more guided requests leave state behind."""
-    target, draft = METHODS['eagle3']
+@pytest.mark.parametrize('method', ['eagle3', 'deepseek_mtp', 'grammar'])
+def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
+    """tp=2: after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers, kept
+    drafting windows, failures or FSM sessions for a finished session, every rank verified the same drafts, and no
+    rank's grammar rejected a committed token on the way (with ``deepseek_mtp`` rank 1 drafts too, following rank
+    0's sampled tokens). The check sees a leak: with the cleanup switched off in the rank processes, a few more
+    guided requests leave state behind."""
+    target, draft = METHODS[method]
     start = time.perf_counter()
     # a batch of 64 keeps 200 requests short
-    pipe = _pipeline(target, tp=2, method='eagle3', draft=draft, max_batch_size=64,
+    pipe = _pipeline(target, tp=2, method=method, draft=draft, max_batch_size=64,
                      env={ranks.DRAFT_LOG_ENV: str(tmp_path)})
-    print(f'\n[tp=2 leaks] engine start-up {time.perf_counter() - start:.1f} s')
+    print(f'\n[tp=2 leaks {method}] engine start-up {time.perf_counter() - start:.1f} s')
     try:
         prompts, configs = _traffic(200)
         start = time.perf_counter()
         outputs = generate(pipe, prompts, configs)
-        print(f'[tp=2 leaks] 200 requests in {time.perf_counter() - start:.1f} s')
+        print(f'[tp=2 leaks {method}] 200 requests in {time.perf_counter() - start:.1f} s')
         for out, config in zip(outputs, configs):
             assert out.finish_reason in ('stop', 'length'), out
             if config.response_format is not None and out.finish_reason == 'stop':
@@ -262,9 +264,10 @@ def test_tp2_no_grammar_state_left(cpu_path, tmp_path):
         assert state[0]['spec_agent'] == 'SpecModelAgent', state
         for rank, held in state.items():
             assert not _held(held), f'rank {rank} holds grammar state after every session finished: {held}'
-        print(f'[tp=2 leaks] after 200 requests: {state}')
+        print(f'[tp=2 leaks {method}] after 200 requests: {state}')
         assert ranks.read_error_logs(tmp_path) == []
-        print(f'[tp=2 leaks] {_check_drafts_agree(tmp_path)} speculative steps, drafts identical on both ranks')
+        steps = _check_drafts_agree(tmp_path)
+        print(f'[tp=2 leaks {method}] {steps} speculative steps, drafts identical on both ranks')
 
         # the same check sees a leak
         assert ranks.call_ranks(pipe, ranks.set_grammar_cleanup, False)[0]
@@ -275,7 +278,7 @@ def test_tp2_no_grammar_state_left(cpu_path, tmp_path):
         finally:
             ranks.call_ranks(pipe, ranks.set_grammar_cleanup, True)
         assert len(leaked[0]['matchers']) >= 6 and leaked[0]['windows'] >= 6, leaked
-        print(f'[tp=2 leaks] with the cleanup off, 12 more requests leave: {leaked}')
+        print(f'[tp=2 leaks {method}] with the cleanup off, 12 more requests leave: {leaked}')
     finally:
         pipe.close()
 
