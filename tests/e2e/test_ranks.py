@@ -15,12 +15,24 @@ printed (``-s``).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
 
 import pytest
-from e2e_helpers import ENGINE_KWARGS, PERSON, check_valid, free_port, gen_config, generate, response_format
+import server_traffic as traffic
+from e2e_helpers import (
+    ENGINE_KWARGS,
+    PERSON,
+    check_valid,
+    free_port,
+    gen_config,
+    generate,
+    response_format,
+    start_server,
+    stop_server,
+)
 
 from lmdeploy_guided_spec.cpu import ranks
 
@@ -281,6 +293,40 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
         print(f'[tp=2 leaks {method}] with the cleanup off, 12 more requests leave: {leaked}')
     finally:
         pipe.close()
+
+
+def test_tp2_server_traffic(cpu_path, tmp_path):
+    """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` (both ranks draft; rank 1 follows rank 0's sampled
+    tokens) and the openai client: concurrent greedy and sampling requests of every format, streaming and not, then
+    clients that disconnect mid-stream beside requests that run to their end. The server stays up and answers
+    ``/health``, guided output validates, both ranks verify the same drafts at every step and no rank's grammar
+    rejects a committed token."""
+    log, drafts = tmp_path / 'server.log', tmp_path / 'drafts'
+    drafts.mkdir()
+    args = ['--tp', '2', '--distributed-executor-backend', 'mp', '--speculative-algorithm', 'deepseek_mtp',
+            '--speculative-num-draft-tokens', str(NUM_SPEC_TOKENS)]
+    start = time.perf_counter()
+    # the server's engine and rank processes inherit the draft log's directory
+    with _environ({ranks.DRAFT_LOG_ENV: str(drafts)}):
+        proc, base = start_server(args, log, max_batch_size=16, model='tiny-deepseek-mtp')
+    print(f'\n[tp=2 server] start-up {time.perf_counter() - start:.1f} s')
+    try:
+        start = time.perf_counter()
+        traffic.check_round(asyncio.run(traffic.mixed_round(base, 0, 16)))
+        finished = asyncio.run(traffic.disconnects(base, 6))
+        assert len(finished) == 6
+        traffic.check_round(finished)
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert traffic.health(base) == 200
+        fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))
+        assert reason == 'stop'
+        check_valid(text, fmt)
+        print(f'[tp=2 server] 16 mixed requests, 6 dropped streams beside 6 whole ones: '
+              f'{time.perf_counter() - start:.1f} s')
+    finally:
+        stop_server(proc)
+    assert ranks.read_error_logs(drafts) == []
+    print(f'[tp=2 server] {_check_drafts_agree(drafts)} speculative steps, drafts identical on both ranks')
 
 
 # the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: serves nothing until stdin closes

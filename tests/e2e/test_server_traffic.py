@@ -9,16 +9,15 @@ string schema is refused before the engine (7); raw logprobs of guided requests 
 import asyncio
 import json
 import math
-import urllib.request
 
 import openai
 import pytest
+import server_traffic as traffic
 from e2e_helpers import PERSON, check_valid, response_format, start_server, stop_server
 
 ROUNDS = 3
 CONCURRENT = 32
 DISCONNECTS = 20
-KINDS = ('json_schema', 'json_object', 'regex_schema', 'text')
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
@@ -35,95 +34,27 @@ def server(cpu_path, tmp_path_factory):
     stop_server(proc)
 
 
-def _client(base: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
-
-
-async def _request(client, model: str, i: int, kind: str, sampling: bool, streaming: bool):
-    fmt = response_format(kind)
-    kwargs = dict(model=model, messages=[{'role': 'user', 'content': f'Request {i}: a record, please.'}],
-                  max_tokens=96 if kind != 'text' else 16, temperature=0.8 if sampling else 0.0, seed=i)
-    if fmt is not None:
-        kwargs['response_format'] = fmt
-    if not streaming:
-        choice = (await client.chat.completions.create(**kwargs)).choices[0]
-        return fmt, choice.message.content, choice.finish_reason
-    text, reason = '', None
-    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ''
-            reason = chunk.choices[0].finish_reason or reason
-    return fmt, text, reason
-
-
-async def _mixed_round(base: str, round_: int):
-    client = _client(base)
-    model = (await client.models.list()).data[0].id
-    jobs = [_request(client, model, 100 * round_ + i, KINDS[i % 4], sampling=(i // 4) % 2 == 1,
-                     streaming=(i // 8) % 2 == 1) for i in range(CONCURRENT)]
-    return await asyncio.gather(*jobs)
-
-
-def _health(base: str) -> int:
-    return urllib.request.urlopen(f'{base}/health', timeout=10).status
-
-
 def test_mixed_concurrent_traffic(server):
     proc, base, log = server
     for round_ in range(ROUNDS):
-        results = asyncio.run(_mixed_round(base, round_))
-        for fmt, text, reason in results:
-            if fmt is None:
-                assert reason in ('stop', 'length'), (text, reason)
-            else:
-                assert reason == 'stop', (fmt, text, reason)
-                check_valid(text, fmt)
+        traffic.check_round(asyncio.run(traffic.mixed_round(base, round_, CONCURRENT)))
         assert proc.poll() is None, log.read_text()[-4000:]
-    assert _health(base) == 200
-
-
-async def _disconnects(base: str):
-    client = _client(base)
-    model = (await client.models.list()).data[0].id
-
-    async def dropped(i: int):
-        stream = await client.chat.completions.create(
-            model=model, messages=[{'role': 'user', 'content': f'Drop {i}.'}], max_tokens=96, stream=True,
-            response_format=response_format(KINDS[i % 3]), temperature=0.8 if i % 2 else 0.0)
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 2:
-                break
-        await stream.close()
-
-    jobs = []
-    for i in range(DISCONNECTS):
-        jobs.append(dropped(i))
-        jobs.append(_request(client, model, 1000 + i, KINDS[i % 3], sampling=False, streaming=i % 2 == 0))
-    results = await asyncio.gather(*jobs)
-    return [r for r in results if r is not None]
+    assert traffic.health(base) == 200
 
 
 def test_clients_that_disconnect_mid_stream(server):
     proc, base, log = server
-    finished = asyncio.run(_disconnects(base))
+    finished = asyncio.run(traffic.disconnects(base, DISCONNECTS))
     assert len(finished) == DISCONNECTS
     for fmt, text, reason in finished:
         assert reason == 'stop', (fmt, text, reason)
         check_valid(text, fmt)
     assert proc.poll() is None, log.read_text()[-4000:]
-    assert _health(base) == 200
+    assert traffic.health(base) == 200
     # the server answers correctly after the dropped streams
-    fmt, text, reason = asyncio.run(_one(base, 'json_schema'))
+    fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))
     assert reason == 'stop'
     check_valid(text, fmt)
-
-
-async def _one(base: str, kind: str):
-    client = _client(base)
-    model = (await client.models.list()).data[0].id
-    return await _request(client, model, 7, kind, sampling=False, streaming=False)
 
 
 def test_hostile_requests(server):
@@ -155,4 +86,4 @@ def test_hostile_requests(server):
             for t in chunk.choices[0].logprobs.content or []:
                 assert math.isfinite(t.logprob)
     assert proc.poll() is None, log.read_text()[-4000:]
-    assert _health(base) == 200
+    assert traffic.health(base) == 200
