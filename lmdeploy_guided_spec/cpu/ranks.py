@@ -275,7 +275,8 @@ ORDERED_COLLECTIVES = ('broadcast', 'all_reduce', 'reduce', 'all_gather', 'all_g
 
 
 class _InOrderWork:
-    """An asynchronous gloo work whose ``wait`` first waits for the works issued before it on its group."""
+    """An asynchronous gloo work that completes, for whoever waits for it, after the works issued before it on its
+    group: ``wait`` waits for them first, ``get_future`` resolves once they have finished too."""
 
     def __init__(self, work, earlier: list):
         self._work = work
@@ -283,12 +284,21 @@ class _InOrderWork:
 
     def wait(self, *args, **kwargs):
         for work in self._earlier:
-            work.wait()
+            work.wait(*args, **kwargs)
         self._earlier = []
         return self._work.wait(*args, **kwargs)
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._earlier) and self._work.is_completed()
+
+    def get_future(self):
+        import torch
+        own = self._work.get_future()
+        earlier = [work for work in self._earlier if not work.is_completed()]
+        if not earlier:
+            return own
+        every = torch.futures.collect_all([work.get_future() for work in earlier] + [own])
+        return every.then(lambda done: done.value()[-1].value())
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -302,8 +312,8 @@ def _patch_in_order() -> None:
     tokens, their indices, the accepted tokens, the rejected counts) and waits for the last one only. Gloo runs
     asynchronous collectives on a pool of threads and they finish in any order: a rank that does not sample then
     read, about once in fifty steps, the zeros it made for the accepted tokens instead of the broadcast ones, drafted
-    from them and committed them to its grammar. Here every asynchronous work of a group waits, when waited for,
-    for the works issued on that group before it.
+    from them and committed them to its grammar. Here an asynchronous work of a group, when waited for, waits for
+    the works issued on that group before it, and a blocking collective returns once they have finished as well.
     """
     import threading
 
@@ -311,7 +321,8 @@ def _patch_in_order() -> None:
     if getattr(dist.broadcast, _MARK, False):
         return
     lock = threading.Lock()
-    pending: dict = {}  # group (None: the default one) -> works issued and not known to be done
+    pending: dict = {}  # group -> works issued and not known to be done
+    illegal = getattr(dist.distributed_c10d, '_IllegalWork', ())  # what a collective returns inside a coalescing block
 
     def ordered(collective):
         import functools
@@ -321,13 +332,22 @@ def _patch_in_order() -> None:
         @functools.wraps(collective)
         def call(*args, **kwargs):
             work = collective(*args, **kwargs)
-            if work is None:
+            if isinstance(work, illegal):
                 return work
             group = signature.bind_partial(*args, **kwargs).arguments.get('group')
+            if group is None:
+                group = dist.group.WORLD
+            if work is None:
+                # blocking: finished, and so are the works issued before it (as on one stream)
+                with lock:
+                    earlier = pending.pop(group, [])
+                for done in earlier:
+                    done.wait()
+                return work
             with lock:
-                works = [w for w in pending.get(group, ()) if not w.is_completed()]
-                pending[group] = [*works, work]
-            return _InOrderWork(work, works)
+                earlier = [w for w in pending.get(group, ()) if not w.is_completed()]
+                pending[group] = [*earlier, work]
+            return _InOrderWork(work, earlier)
 
         setattr(call, _MARK, True)
         return call
@@ -513,8 +533,9 @@ class _ErrorLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         directory = os.environ.get(DRAFT_LOG_ENV)
         if directory:
+            # the message, with its traceback where it has one
             with (Path(directory) / f'errors-pid{os.getpid()}.jsonl').open('a') as f:
-                f.write(json.dumps(record.getMessage()) + '\n')
+                f.write(json.dumps(self.format(record)) + '\n')
 
 
 def _append(agent, kind: str, drafts, model_inputs=None, sessions=None) -> None:

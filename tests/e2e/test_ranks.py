@@ -149,9 +149,10 @@ def _collectives_rank(rank: int, port: int, results) -> None:
 
 
 def _broadcast_rank(rank: int, port: int, steps: int, results) -> None:
-    """One of two gloo ranks: lmdeploy's own broadcast of the sampled tokens (``broadcast_next_token`` of the
-    speculative strategy), ``steps`` times; rank 1 counts the steps where a tensor had not arrived when the
-    broadcast's context exited."""
+    """One of two gloo ranks, ``steps`` times each: lmdeploy's own broadcast of the sampled tokens
+    (``broadcast_next_token`` of the speculative strategy); the same broadcasts waited for through the last one's
+    ``get_future()``; the same broadcasts left unwaited before a blocking all-reduce on their group. Rank 1 reports
+    per way the steps where a tensor had not arrived when the wait ended."""
     import torch
     import torch.distributed as dist
     from lmdeploy.pytorch.strategies.ar_spec.model_agent import ARSpecExtraInputs, ARSpecModelAgentStrategy
@@ -164,56 +165,79 @@ def _broadcast_rank(rank: int, port: int, steps: int, results) -> None:
         group = dist.new_group([0, 1])
         ctx = type('DistContext', (), {'attn_tp_group': type('Group', (), {'gpu_group': group})})
         strategy = ARSpecModelAgentStrategy(num_spec_tokens=NUM_SPEC_TOKENS)
-        stale = []
-        for step in range(steps):
+
+        def tensors(step):
             value = step if rank == 0 else -1
-            next_token_ids = torch.full((4,), value)
-            extra = ARSpecExtraInputs(last_token_indices=torch.full((4,), value),
-                                      output_token_ids=torch.full((4, NUM_SPEC_TOKENS + 1), value),
-                                      num_rejected_tokens=torch.full((4,), value))
-            with strategy.broadcast_next_token(next_token_ids, extra, ctx):
+            return ARSpecExtraInputs(next_token_ids=torch.full((4,), value),
+                                     last_token_indices=torch.full((4,), value),
+                                     output_token_ids=torch.full((4, NUM_SPEC_TOKENS + 1), value),
+                                     num_rejected_tokens=torch.full((4,), value))
+
+        def broadcast_next_token(extra):
+            with strategy.broadcast_next_token(extra.next_token_ids, extra, ctx):
                 pass
-            tensors = (next_token_ids, extra.last_token_indices, extra.output_token_ids, extra.num_rejected_tokens)
-            if any(bool((t != step).any()) for t in tensors):
-                stale.append(step)
+
+        def future_of_the_last(extra):
+            dist.broadcast(extra.next_token_ids, src=0, group=group, async_op=True)
+            extra.broadcast(src=0, group=group, async_op=True).get_future().wait()
+
+        def blocking_after(extra):
+            dist.broadcast(extra.next_token_ids, src=0, group=group, async_op=True)
+            extra.broadcast(src=0, group=group, async_op=True)
+            dist.all_reduce(torch.zeros(1), group=group)
+
+        stale = {}
+        for way in (broadcast_next_token, future_of_the_last, blocking_after):
+            stale[way.__name__] = []
+            for step in range(steps):
+                extra = tensors(step)
+                way(extra)
+                sent = (extra.next_token_ids, extra.last_token_indices, extra.output_token_ids,
+                        extra.num_rejected_tokens)
+                if any(bool((t != step).any()) for t in sent):
+                    stale[way.__name__].append(step)
         results.put((rank, stale))
     finally:
         dist.destroy_process_group()
+
+
+def _run_ranks(target, *args, timeout: float) -> list:
+    """``target(rank, port, *args, results)`` in two spawned processes; what they put in ``results``, by rank order
+    of arrival. Processes still running after ``timeout`` are killed and fail the test."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('spawn')
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(timeout)
+        assert [proc.exitcode for proc in procs] == [0, 0]
+        return [results.get(timeout=5) for _ in procs]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def test_sampled_tokens_have_arrived_when_their_broadcast_is_waited():
     """lmdeploy broadcasts the sampled tokens of a speculative step as four asynchronous broadcasts and waits for
     the last one only, as NCCL orders them on one stream. Gloo runs asynchronous collectives on a pool of threads, so
     the CPU path orders them: a rank that does not sample reads this step's tokens, not the zeros it made (seen as a
-    TP follower committing zeros to its grammar and drafting from them)."""
-    import multiprocessing
-    ctx = multiprocessing.get_context('spawn')
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_broadcast_rank, args=(rank, port, 1500, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(240)
-    assert [proc.exitcode for proc in procs] == [0, 0]
-    stale = dict(results.get(timeout=5) for _ in procs)
-    assert stale == {0: [], 1: []}, f'steps whose tokens had not arrived: {stale[1][:20]} ({len(stale[1])})'
+    TP follower committing zeros to its grammar and drafting from them). The same holds when the last broadcast is
+    waited for through its future, or when a blocking collective on the group follows."""
+    stale = dict(_run_ranks(_broadcast_rank, 1000, timeout=240))
+    counts = {(rank, way): len(steps) for rank, ways in stale.items() for way, steps in ways.items()}
+    assert not any(counts.values()), f'steps (of 1,000) whose tokens had not arrived, by rank and way: {counts}'
 
 
 def test_gloo_collectives_of_uneven_sizes():
     """lmdeploy's MLP under ``dp > 1`` gathers and reduce-scatters different token counts per rank, which gloo's
     own collectives reject; the CPU path's replacements give what NCCL's would."""
-    import multiprocessing
-    ctx = multiprocessing.get_context('spawn')
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_collectives_rank, args=(rank, port, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(60)
-    assert [proc.exitcode for proc in procs] == [0, 0]
-    assert sorted(results.get(timeout=5) for _ in procs) == [(0, True, True), (1, True, True)]
+    assert sorted(_run_ranks(_collectives_rank, timeout=60)) == [(0, True, True), (1, True, True)]
 
 
 def _settled_grammar_state(pipe, attempts: int = 3) -> dict[int, dict]:
@@ -323,10 +347,11 @@ def test_tp2_server_traffic(cpu_path, tmp_path):
         check_valid(text, fmt)
         print(f'[tp=2 server] 16 mixed requests, 6 dropped streams beside 6 whole ones: '
               f'{time.perf_counter() - start:.1f} s')
+        # read while the server is up and idle: stopping it ends the rank processes wherever they are
+        assert ranks.read_error_logs(drafts) == []
+        print(f'[tp=2 server] {_check_drafts_agree(drafts)} speculative steps, drafts identical on both ranks')
     finally:
         stop_server(proc)
-    assert ranks.read_error_logs(drafts) == []
-    print(f'[tp=2 server] {_check_drafts_agree(drafts)} speculative steps, drafts identical on both ranks')
 
 
 # the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: serves nothing until stdin closes
