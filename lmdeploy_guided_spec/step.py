@@ -210,10 +210,9 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
                 # an ended matcher accepts nothing more (and xgrammar would print a warning per token)
                 break
             if not matcher.accept_token(token):
-                # after a stop token nothing is accepted, and a terminating matcher rejects the stop token after the
-                # end of its grammar: the row ended
-                ended = has_ended(matcher) or (matcher.is_terminated() and token in stop_tokens(matcher))
-                if not ended:
+                # a terminating matcher rejects the stop token after the end of its grammar: the row ended (an ended
+                # matcher was not asked above)
+                if not (matcher.is_terminated() and token in stop_tokens(matcher)):
                     # verification masks exclude such tokens: masks and matchers drifted apart, or the grammar
                     # allows nothing here
                     key = row if session_ids is None else session_ids[row]

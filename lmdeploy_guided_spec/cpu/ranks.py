@@ -60,6 +60,8 @@ the grammar state a rank holds (matchers, kept drafting windows, failures, FSM s
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import multiprocessing
@@ -325,8 +327,6 @@ def _patch_in_order() -> None:
     illegal = getattr(dist.distributed_c10d, '_IllegalWork', ())  # what a collective returns inside a coalescing block
 
     def ordered(collective):
-        import functools
-        import inspect
         signature = inspect.signature(collective)
 
         @functools.wraps(collective)
