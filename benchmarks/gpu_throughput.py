@@ -4,18 +4,22 @@ Four modes per batch size (1, 8 and 32 by default), on the tiny random-weight mo
 ``lmdeploy_guided_spec.support.tiny_models`` through lmdeploy's pipeline (greedy decoding):
 
 * ``unguided``/``guided`` non-speculative: the target alone, without and with a JSON-schema ``response_format``;
-* ``unguided``/``guided`` speculative: the same with the proposer (``eagle3`` on the tiny Llama, or
-  ``deepseek_mtp`` on the tiny DeepSeek-V3-style model) and ``--num-spec-tokens`` drafts per step.
+* ``unguided``/``guided`` speculative: the same with the proposer (``eagle3`` on the tiny Llama,
+  ``deepseek_mtp`` on the tiny DeepSeek-V3-style model, or ``grammar`` on the tiny Llama: no draft model, the
+  drafts are the tokens the grammar forces) and ``--num-spec-tokens`` drafts per step.
 
 Columns: generated tokens, wall seconds, output tokens/s, and tokens per step: for speculative modes the mean
 number of tokens a request emits per target forward (accepted drafts + 1, counted at lmdeploy's rejection
 sampler), 1 for the others. The weights are random, so acceptance (and with it the speculative speed-up) means
-nothing; what the numbers show is the cost of the guided machinery next to the unguided one.
+nothing; what the numbers show is the cost of the guided machinery next to the unguided one. The ``grammar``
+method's forced drafts are accepted whatever the weights, so its tokens per step and its speed against guided
+non-speculative decoding are real (an unguided request drafts nothing under it).
 
 ``--force-triton`` sets ``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1`` (verify with the Triton kernel even where
 FlashAttention-3 is installed). Without CUDA the script exits with status 2.
 
-Last line: ``guided_spec_vs_unguided_spec <tokens/s of guided speculative / unguided speculative at batch 8>``.
+Before it, ``guided_spec_vs_guided_nonspec`` per batch size. Last line: ``guided_spec_vs_unguided_spec <tokens/s of
+guided speculative / unguided speculative at batch 8>``.
 """
 from __future__ import annotations
 
@@ -97,7 +101,7 @@ def _measure(pipe, batch: int, guided: bool, max_new_tokens: int, counter: _Acce
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--method', choices=['eagle3', 'deepseek_mtp'], default='eagle3')
+    parser.add_argument('--method', choices=['eagle3', 'deepseek_mtp', 'grammar'], default='eagle3')
     parser.add_argument('--batch-sizes', default='1,8,32', help='comma-separated (default: 1,8,32)')
     parser.add_argument('--max-new-tokens', type=int, default=128)
     parser.add_argument('--num-spec-tokens', type=int, default=3)
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.method == 'eagle3':
         target, draft = tiny_models.build_llama_target(), tiny_models.build_eagle3_draft()
+    elif args.method == 'grammar':
+        target, draft = tiny_models.build_llama_target(), ''  # no draft model
     else:
         target = draft = tiny_models.build_deepseek_mtp_target()
     counter = _AcceptCounter()
@@ -155,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         mode = f'{"guided" if r["guided"] else "unguided"} {"speculative" if r["spec"] else "non-speculative"}'
         per_step = 'n/a' if r['per_step'] is None else f'{r["per_step"]:.2f}'
         print(f'{mode:<26} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
+    for batch in batch_sizes:
+        guided = {r['spec']: r['tps'] for r in rows if r['guided'] and r['batch'] == batch}
+        if len(guided) == 2 and guided[False] > 0:
+            print(f'guided_spec_vs_guided_nonspec batch {batch}: {guided[True] / guided[False]:.3f}')
     at8 = {r['guided']: r['tps'] for r in rows if r['spec'] and r['batch'] == 8}
     if len(at8) == 2 and at8[False] > 0:
         print(f'guided_spec_vs_unguided_spec {at8[True] / at8[False]:.3f}')

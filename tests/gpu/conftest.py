@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gpu_cases
@@ -17,6 +18,8 @@ import pytest
 WORKER = Path(__file__).parent / 'engine_worker.py'
 #: seconds one engine configuration may take: start, CUDA graph capture and every job
 WORKER_TIMEOUT = 1500
+#: engine configurations run at once when the session starts (GPU_ENGINE_PARALLEL; 1: each when a test first asks)
+ENGINE_PARALLEL = int(os.environ.get('GPU_ENGINE_PARALLEL', '1'))
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -41,11 +44,29 @@ class EngineRuns:
         self.workdir = workdir
         self._results: dict[tuple, dict] = {}
 
+    @staticmethod
+    def key(method: str, *, spec: bool, eager: bool, force_triton: bool = False) -> tuple:
+        return (method, spec, eager, force_triton and spec)
+
     def get(self, method: str, *, spec: bool, eager: bool, force_triton: bool = False) -> dict:
-        key = (method, spec, eager, force_triton and spec)
+        key = self.key(method, spec=spec, eager=eager, force_triton=force_triton)
         if key not in self._results:
             self._results[key] = self._run(*key)
         return self._results[key]
+
+    def prefetch(self, keys: list[tuple], parallel: int) -> None:
+        """Run the configurations ``keys`` ``parallel`` at a time (tiny models share one GPU well); a configuration
+        that fails is left for :meth:`get` to run again and report."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self._results]
+
+        def one(key):
+            try:
+                self._results[key] = self._run(*key)
+            except BaseException:  # pytest.fail raises outside Exception; get() reruns it and reports
+                pass
+
+        with ThreadPoolExecutor(max(1, parallel)) as pool:
+            list(pool.map(one, todo))
 
     def _run(self, method: str, spec: bool, eager: bool, force_triton: bool) -> dict:
         target, draft = gpu_cases.targets(self.models, method)
@@ -73,9 +94,38 @@ class EngineRuns:
         return json.loads(out_path.read_text())
 
 
+def _engine_keys(items) -> list[tuple]:
+    """The engine configurations the selected tests of test_pipeline_spec.py ask for (FA3 ones included: a test
+    without FA3 skips before it asks, and prefetch leaves those out)."""
+    keys = []
+    for item in items:
+        if not item.nodeid.startswith('tests/gpu/test_pipeline_spec.py'):
+            continue
+        params = getattr(getattr(item, 'callspec', None), 'params', {})
+        method, eager = params.get('method'), params.get('eager')
+        if item.originalname == 'test_cuda_graphs_and_eager_mode_agree':
+            keys += [EngineRuns.key(method, spec=True, eager=e, force_triton=True) for e in (False, True)]
+            continue
+        if item.originalname in ('test_speculative_outputs_follow_their_grammar',
+                                 'test_greedy_speculative_equals_non_speculative'):
+            keys.append(EngineRuns.key(method, spec=True, eager=eager, force_triton=params['attention'] == 'triton'))
+        if item.originalname in ('test_non_speculative_outputs_follow_their_grammar',
+                                 'test_greedy_speculative_equals_non_speculative'):
+            keys.append(EngineRuns.key(method, spec=False, eager=eager))
+    return keys
+
+
 @pytest.fixture(scope='session')
-def engine_runs(tiny_models, tmp_path_factory) -> EngineRuns:
-    return EngineRuns(tiny_models, tmp_path_factory.mktemp('engine-runs'))
+def engine_runs(request, tiny_models, tmp_path_factory) -> EngineRuns:
+    runs = EngineRuns(tiny_models, tmp_path_factory.mktemp('engine-runs'))
+    if ENGINE_PARALLEL > 1:
+        keys = _engine_keys(request.session.items)
+        from lmdeploy.pytorch.backends.cuda.attention import use_fa3
+        if not use_fa3:
+            # without FA3 the Triton kernel verifies every window: a key without force_triton is the same run
+            keys = [k for k in keys if not k[1] or k[3]]
+        runs.prefetch(keys, ENGINE_PARALLEL)
+    return runs
 
 
 @pytest.fixture(scope='session')
