@@ -23,8 +23,8 @@
 # own report; the pipeline's engine configurations run GPU_ENGINE_PARALLEL (default 4) at a time. They check
 # correctness, so they share the GPU; the benchmarks run afterwards, one at a time, on a quiet GPU.
 #
-# The virtual environments (GPU_VENV/venv-<version>, default <kit>/venv-<version>) see the system's packages
-# (--system-site-packages); the kit's wheels shadow them where versions differ (transformers 4.57, tokenizers 0.22,
+# The virtual environments (GPU_VENV/venv-<version>, default <kit>/venv-<version>) see the packages of $PYTHON
+# (default python3), itself a virtual environment or not; the kit's wheels shadow them where versions differ (transformers 4.57, tokenizers 0.22,
 # huggingface_hub 0.36, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -119,6 +119,13 @@ install() {
     local version=$1 venv=$2
     echo "[gpu] lmdeploy $version: installing $KIT/ into $venv"
     "$PY" -m venv --system-site-packages "$venv"
+    # --system-site-packages reaches the base installation's packages, not those of a virtual environment: where $PY
+    # is one (the image's python3 is /opt/torch/.venv/bin/python3, which holds torch), its site directories are
+    # added by a .pth file, after the new environment's own, so the kit's wheels still shadow them
+    local venv_site
+    venv_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        >"$venv_site/_gpu_kit_parent_site.pth"
     local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$KIT")
     # --no-deps: lmdeploy pins torch and CUDA 12 packages (the machine has torch 2.11, CUDA 13); the tokenizer
     # packages pin old versions of libraries they never import (as in scripts/setup.sh)
