@@ -180,6 +180,22 @@ def table(results: dict, methods: list[str], batches: list[int], k: int) -> list
     return lines
 
 
+def one_side_table(cells: dict, side: str, methods: list[str], batches: list[int], k: int) -> list[str]:
+    """Lines of one side's table (``--sides``): ``cells[(method, batch)]`` is a :class:`Cell`."""
+    lines = [f'{side}: {"method":<13} {"B":>3} {"k":>2} | {"exposed ms/step":>15} | {"grammar CPU ms/step":>19} | '
+             f'{"wall ms/step":>12} | {"tok/fwd":>7} | {"steps":>5}']
+    for method in methods:
+        for batch in batches:
+            cell = cells.get((method, batch))
+            if cell is None:
+                continue
+            c = cell.summary(batch)
+            lines.append(f'{side}: {method:<13} {batch:>3} {k:>2} | {c["exposed"] * 1e3:>15.2f} | '
+                         f'{c["cpu"] * 1e3:>19.2f} | {c["wall"] * 1e3:>12.1f} | {c["tok_per_fwd"]:>7.2f} | '
+                         f'{c["steps"]:>5}')
+    return lines
+
+
 def breakdown(results: dict, methods: list[str], batches: list[int]) -> list[str]:
     """Lines: exposed ms per step of every entry point, per side and cell, largest first."""
     lines = []
@@ -582,6 +598,9 @@ def main(argv=None) -> int:
     parser.add_argument('--draft', help='draft checkpoint or CPU-path model name (default: the method\'s tiny draft)')
     parser.add_argument('--reps', type=int, default=1,
                         help='runs of every cell per side, interleaved with the other side\'s; steps are pooled')
+    parser.add_argument('--sides', default=','.join(SIDES),
+                        help='comma list of upstream, ours (default both); one side prints its own figures only, '
+                             'e.g. where upstream cannot start (lmdeploy 0.18.0 without FlashAttention-3 on CUDA)')
     parser.add_argument('--worker', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads is None and args.device == 'cpu':
@@ -594,13 +613,17 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f'unknown method(s) {unknown}; choose from {list(METHODS)}')
     batches = [int(b) for b in args.batches.split(',')]
-    pythons = {'upstream': args.upstream_python, 'ours': args.ours_python}
+    run_sides = tuple(side for side in SIDES if side in args.sides.split(','))
+    if not run_sides or set(args.sides.split(',')) - set(SIDES):
+        parser.error(f'--sides {args.sides}: choose from {",".join(SIDES)}')
+    pythons = {side: python for side, python in
+               (('upstream', args.upstream_python), ('ours', args.ours_python)) if side in run_sides}
     for side, python in pythons.items():
         if not Path(python).exists():
             parser.error(f'--{side}-python {python} does not exist (see docs/en/versions.md for how to build it)')
     sides = {}
     try:
-        for side in SIDES:
+        for side in run_sides:
             sides[side] = Side(side, pythons[side], args)
         results = {side: {} for side in SIDES}
         for method in methods:
@@ -608,7 +631,7 @@ def main(argv=None) -> int:
                 for rep in range(args.reps):
                     # one side right after the other, the first side alternating: drifts of a shared machine fall on
                     # both
-                    order = SIDES if rep % 2 == 0 else SIDES[::-1]
+                    order = run_sides if rep % 2 == 0 else run_sides[::-1]
                     for side in order:
                         cell = sides[side].run(method, batch)
                         merged = results[side].setdefault((method, batch), cell)
@@ -617,10 +640,12 @@ def main(argv=None) -> int:
     finally:
         for worker_side in sides.values():
             worker_side.close()
-    for side in SIDES:
+    for side in run_sides:
         print(f'{side}: {pythons[side]}')
     print()
-    for line in table(results, methods, batches, args.k):
+    lines = table(results, methods, batches, args.k) if len(run_sides) == 2 else \
+        one_side_table(results[run_sides[0]], run_sides[0], methods, batches, args.k)
+    for line in lines:
         print(line)
     if args.breakdown:
         print('\nexposed ms per step, by entry point:')
@@ -629,7 +654,7 @@ def main(argv=None) -> int:
     print(f'\n{args.device}, torch threads {args.threads or "default"}, greedy, json_schema requests '
           f'(benchmarks/data/forced_schemas), max_new_tokens {args.max_new_tokens}; per step: exposed and grammar CPU '
           'are means, wall the median, over the steps where the whole batch ran.')
-    missed = goals(results, methods, batches)
+    missed = goals(results, methods, batches) if len(run_sides) == 2 else []
     for line in missed:
         print(f'goal missed: {line}')
     print(f'vs_upstream_exposed_ratio {headline(results):.3f}')

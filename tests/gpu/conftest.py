@@ -18,6 +18,9 @@ import pytest
 WORKER = Path(__file__).parent / 'engine_worker.py'
 #: seconds one engine configuration may take: start, CUDA graph capture and every job
 WORKER_TIMEOUT = 1500
+#: a folder of engine runs a GPU session saved (its ``engine-runs*`` folder: ``<configuration>.out.json``): the
+#: pipeline tests check those outputs instead of running engines, on any machine (GPU_ENGINE_RUNS_FROM)
+SAVED_RUNS = os.environ.get('GPU_ENGINE_RUNS_FROM')
 #: engine configurations run at once when the session starts (GPU_ENGINE_PARALLEL; 1: each when a test first asks)
 ENGINE_PARALLEL = int(os.environ.get('GPU_ENGINE_PARALLEL', '1'))
 
@@ -74,6 +77,11 @@ class EngineRuns:
             '-triton' if force_triton else '')
         cfg = dict(model=str(target), method=method if spec else None, draft=str(draft) if spec else None,
                    eager=eager, force_triton=force_triton)
+        if SAVED_RUNS:
+            saved = Path(SAVED_RUNS) / f'{name}.out.json'
+            if not saved.exists():
+                pytest.skip(f'{saved} does not exist (GPU_ENGINE_RUNS_FROM)')
+            return json.loads(saved.read_text())
         cfg_path = self.workdir / f'{name}.json'
         out_path = self.workdir / f'{name}.out.json'
         log_path = self.workdir / f'{name}.log'
@@ -118,7 +126,7 @@ def _engine_keys(items) -> list[tuple]:
 @pytest.fixture(scope='session')
 def engine_runs(request, tiny_models, tmp_path_factory) -> EngineRuns:
     runs = EngineRuns(tiny_models, tmp_path_factory.mktemp('engine-runs'))
-    if ENGINE_PARALLEL > 1:
+    if ENGINE_PARALLEL > 1 and not SAVED_RUNS:
         keys = _engine_keys(request.session.items)
         from lmdeploy.pytorch.backends.cuda.attention import use_fa3
         if not use_fa3:

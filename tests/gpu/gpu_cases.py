@@ -80,6 +80,18 @@ def jobs() -> list[dict]:
     return out
 
 
+def guided_matcher(manager, session_id: int, kind: str):
+    """A fresh matcher of ``kind``'s grammar from an lmdeploy ``GuidedDecodingManager``, compiled as the engine
+    compiles it, on any release: 0.14 takes ``(session_id, seq_id, schema, kind)``, later releases
+    ``(session_id, seq_id, response_format)``."""
+    import inspect
+    if len(inspect.signature(manager.get_processor).parameters) == 3:
+        return manager.get_processor(session_id, 0, response_format(kind))
+    schema = {'json_schema': json.dumps(SCHEMA), 'regex_schema': REGEX,
+              'json_object': '{"type" : "object", "additionalProperties": true}'}[kind]
+    return manager.get_processor(session_id, 0, schema, kind)
+
+
 def check_guided_output(manager, session_id: int, kind: str, token_ids: list[int], text: str, finish_reason: str,
                         eos_token_ids: set[int]) -> None:
     """Raise AssertionError unless ``token_ids`` follow the grammar of ``kind``.
@@ -87,9 +99,7 @@ def check_guided_output(manager, session_id: int, kind: str, token_ids: list[int
     ``manager`` is an lmdeploy ``GuidedDecodingManager`` for the model's tokenizer and vocabulary, so the grammar
     is compiled exactly as the engine compiled it; ``session_id`` must be fresh.
     """
-    schema = {'json_schema': json.dumps(SCHEMA), 'regex_schema': REGEX,
-              'json_object': '{"type" : "object", "additionalProperties": true}'}[kind]
-    matcher = manager.get_processor(session_id, 0, schema, kind)
+    matcher = guided_matcher(manager, session_id, kind)
     try:
         for pos, token in enumerate(token_ids):
             if token in eos_token_ids and (matcher.is_terminated() or matcher.is_completed()):

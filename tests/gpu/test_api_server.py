@@ -92,12 +92,10 @@ def _openai_format(kind: str) -> dict:
 def _check_text(server, grammar_checkers, kind: str, text: str, finish_reason: str) -> None:
     """The text is a prefix the grammar accepts; a finished one is a complete instance."""
     checker = grammar_checkers(server['method'])
-    schema = {'json_schema': json.dumps(gpu_cases.SCHEMA), 'regex_schema': gpu_cases.REGEX,
-              'json_object': '{"type" : "object", "additionalProperties": true}'}[kind]
     # text decoded from a cut-off token sequence may end in an incomplete UTF-8 character; the grammar checks bytes
     checkable = text.rstrip('\ufffd') if finish_reason == 'length' else text
     checker._session += 1
-    matcher = checker.manager.get_processor(checker._session, 0, schema, kind)
+    matcher = gpu_cases.guided_matcher(checker.manager, checker._session, kind)
     try:
         assert matcher.accept_string(checkable), f'the grammar rejects {text!r}'
     finally:

@@ -6,12 +6,21 @@ in unguided requests). Configurations: proposer ``eagle3`` (tiny Llama target) a
 DeepSeek-V3-style target, MLA on the Triton path); CUDA graphs and eager mode; speculative windows verified by
 FlashAttention-3 (where it is installed) or by the causal Triton paged kernel
 (``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1``, the only path where FA3 is absent).
+
+``GPU_ENGINE_RUNS_FROM=DIR`` checks the outputs a GPU session saved in DIR (``<configuration>.out.json``) instead of
+running engines, on any machine, CPU included.
 """
+import os
+
 import gpu_cases
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason='CUDA is not available')]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() and not os.environ.get('GPU_ENGINE_RUNS_FROM'),
+                       reason='CUDA is not available'),
+]
 
 METHODS = ['eagle3', 'deepseek_mtp']
 GRAPHS = [pytest.param(False, id='cudagraph'), pytest.param(True, id='eager')]
