@@ -15,6 +15,12 @@ nothing; what the numbers show is the cost of the guided machinery next to the u
 method's forced drafts are accepted whatever the weights, so its tokens per step and its speed against guided
 non-speculative decoding are real (an unguided request drafts nothing under it).
 
+``--shape llama-3.1-8b`` replaces the tiny models with a Llama-3.1-8B-shaped target (bf16, 32 layers, hidden 4096,
+GQA 32/8, vocabulary 128,256) and, for ``eagle3``, an Eagle3 head of matching shape (32,000-token draft
+vocabulary): weightless checkpoints whose parameters the engine fills with random values on the GPU
+(:mod:`lmdeploy_guided_spec.support.random_init`), so nothing of 16 GB is written or read. Not for
+``deepseek_mtp``.
+
 ``--force-triton`` sets ``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1`` (verify with the Triton kernel even where
 FlashAttention-3 is installed). Without CUDA the script exits with status 2.
 
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--max-new-tokens', type=int, default=128)
     parser.add_argument('--num-spec-tokens', type=int, default=3)
     parser.add_argument('--eager', action='store_true', help='eager mode instead of CUDA graphs')
+    parser.add_argument('--shape', choices=['tiny', 'llama-3.1-8b'], default='tiny',
+                        help='the tiny models, or a Llama-3.1-8B-shaped target (and Eagle3 head) filled with random '
+                             'weights on the GPU (eagle3 and grammar)')
     parser.add_argument('--force-triton', action='store_true',
                         help='verify with the Triton paged kernel even where FlashAttention-3 is installed')
     args = parser.parse_args(argv)
@@ -124,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmdeploy_guided_spec.support import tiny_models
 
-    if args.method == 'eagle3':
+    if args.shape == 'llama-3.1-8b':
+        if args.method == 'deepseek_mtp':
+            parser.error('--shape llama-3.1-8b has no deepseek_mtp model; use eagle3 or grammar')
+        from lmdeploy_guided_spec.support import random_init
+        target = random_init.build_weightless_llama()
+        draft = random_init.build_weightless_eagle3() if args.method == 'eagle3' else ''
+        random_init.install()
+    elif args.method == 'eagle3':
         target, draft = tiny_models.build_llama_target(), tiny_models.build_eagle3_draft()
     elif args.method == 'grammar':
         target, draft = tiny_models.build_llama_target(), ''  # no draft model
@@ -153,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             pipe.close()
         torch.cuda.empty_cache()
 
-    print(f'device: {torch.cuda.get_device_name()}; method {args.method}, {args.num_spec_tokens} draft tokens, '
+    print(f'device: {torch.cuda.get_device_name()}; {args.shape} model; method {args.method}, '
+          f'{args.num_spec_tokens} draft tokens, '
           f'{"eager" if args.eager else "CUDA graphs"}, speculative windows verified by {path}; '
           f'max {args.max_new_tokens} new tokens, greedy; random weights')
     print(f'{"mode":<26} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')

@@ -518,6 +518,13 @@ def worker(spec: dict) -> None:
             s = cell.summary(batch)
             print(f'  {side} {method} B={batch}: {seconds:.1f} s, {s["steps"]} steps of the whole batch, exposed '
                   f'{s["exposed"] * 1e3:.2f} ms/step, wall {s["wall"] * 1e3:.1f} ms/step', file=sys.stderr, flush=True)
+            # the largest entry points at once, so a run cut off before its table still shows where the time went
+            steps = len(cell.full(batch))
+            if steps:
+                top = sorted(cell.breakdown.items(), key=lambda item: -item[1])[:4]
+                parts = ', '.join(f'{name} {spent / steps * 1e3:.2f}' for name, spent in top)
+                print(f'  {side} {method} B={batch}: exposed ms/step by entry point: {parts}', file=sys.stderr,
+                      flush=True)
             print('RESULT ' + json.dumps(cell.to_json()), flush=True)
     finally:
         if engine is not None:
