@@ -150,14 +150,14 @@ run_tests() {
     # the tiny models, built once before three processes ask for them
     "$venv/bin/python" -c "from lmdeploy_guided_spec.support import tiny_models as tm
 for build in (tm.build_llama_target, tm.build_eagle3_draft, tm.build_deepseek_mtp_target): print(build())"
-    local groups=(kernels:tests/gpu/test_paged_decode_cuda.py pipeline:tests/gpu/test_pipeline_spec.py
-                  server:tests/gpu/test_api_server.py)
+    local groups=(kernels:tests/gpu/test_paged_decode_cuda.py,tests/gpu/test_stream_ordering_cuda.py
+                  pipeline:tests/gpu/test_pipeline_spec.py server:tests/gpu/test_api_server.py)
     local pids=() names=()
     for group in "${groups[@]}"; do
-        local name=${group%%:*} path=${group#*:}
+        local name=${group%%:*} paths=${group#*:}
         # the image's own pytest plugins (xdist, cov, timeout, ...) are built for its pytest, not the kit's
         # shellcheck disable=SC2086
-        PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$venv/bin/python" -m pytest -m gpu "$path" -ra -p no:cacheprovider --durations=10 \
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$venv/bin/python" -m pytest -m gpu ${paths//,/ } -ra -p no:cacheprovider --durations=10 \
             --junitxml "$logs/gpu-tests-$version-$name.xml" ${PYTEST_ARGS:-} >"$logs/gpu-tests-$version-$name.log" 2>&1 &
         pids+=($!)
         names+=("$name")
