@@ -67,7 +67,8 @@ def server(request, tiny_models, tmp_path_factory):
                 time.sleep(2)
         if model_name is None:
             pytest.fail(f'api_server did not answer within {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-6000:]}')
-        yield dict(method=method, base_url=f'{base}/v1', model=model_name, target=target)
+        yield dict(method=method, base_url=f'{base}/v1', model=model_name, target=target,
+                   responses=log_path.with_name(f'{method}-responses.jsonl'))
     finally:
         proc.terminate()
         try:
@@ -90,7 +91,12 @@ def _openai_format(kind: str) -> dict:
 
 
 def _check_text(server, grammar_checkers, kind: str, text: str, finish_reason: str) -> None:
-    """The text is a prefix the grammar accepts; a finished one is a complete instance."""
+    """The text is a prefix the grammar accepts; a finished one is a complete instance.
+
+    Every response checked is also kept beside the server's log (``<method>-responses.jsonl``), so a GPU run's
+    responses can be read again after the machine is gone."""
+    with server['responses'].open('a') as out:
+        out.write(json.dumps(dict(kind=kind, text=text, finish_reason=finish_reason)) + '\n')
     checker = grammar_checkers(server['method'])
     # text decoded from a cut-off token sequence may end in an incomplete UTF-8 character; the grammar checks bytes
     checkable = text.rstrip('\ufffd') if finish_reason == 'length' else text
