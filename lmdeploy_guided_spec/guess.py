@@ -259,7 +259,8 @@ class GuessWindow:
         for source in self.guesses.sources:
             if state.used[source] >= state.budgets[source]:
                 continue
-            plan = self._format_plan(state, fork) if source == 'format' else self._lookup_plan(state, fork)
+            plan = (self._format_plan(state, fork, mask_row) if source == 'format' else
+                    self._lookup_plan(state, fork))
             if plan and token_allowed(mask_row, plan[0]):
                 state.plan = deque(plan[1:])
                 state.source = source
@@ -288,9 +289,11 @@ class GuessWindow:
         return token
 
     # -- formatting ---------------------------------------------------------------------------------------------
-    def _format_text(self, state: _Row, fork, layout: JsonLayout | None = None) -> bytes:
+    def _format_text(self, state: _Row, fork, layout: JsonLayout | None = None,
+                     mask_row: torch.Tensor | None = None) -> bytes:
         """Whitespace as the request writes it and the text the grammar forces around it, from the fork's state
-        (and ``layout``, the row's by default)."""
+        (and ``layout``, the row's by default). ``mask_row``: the fork's bitmask, already filled (saves a fill
+        where nothing is forced at the fork's own state)."""
         layout = (state.layout if layout is None else layout).copy()
         # inside a string only text the grammar forces can follow (the end of a key: '":')
         probe = fork.fork()
@@ -307,7 +310,8 @@ class GuessWindow:
                 continue
             if layout.in_string:
                 break
-            allowed = self.guesses.allowed_bytes(probe)
+            # the probe is still at the fork's state until text is taken: its mask is known
+            allowed = self.guesses.allowed_bytes(probe, mask_row if not text else None)
             if not allowed & WHITESPACE:
                 break
             others = allowed - WHITESPACE
@@ -335,8 +339,8 @@ class GuessWindow:
             layout.feed(data)
         return bytes(text)
 
-    def _format_plan(self, state: _Row, fork) -> list[int]:
-        text = _decode(self._format_text(state, fork))
+    def _format_plan(self, state: _Row, fork, mask_row: torch.Tensor | None = None) -> list[int]:
+        text = _decode(self._format_text(state, fork, mask_row=mask_row))
         if not text:
             return []
         # the tail that could be written together with what follows is a guess too (the structural character alone,
@@ -505,8 +509,9 @@ class GuessDrafts:
         """Requests with a history (for leak checks)."""
         return len(self._histories)
 
-    def allowed_bytes(self, matcher) -> set[int]:
-        """The ASCII bytes the matcher's state allows next (its single-byte tokens the mask allows)."""
+    def allowed_bytes(self, matcher, mask_row: torch.Tensor | None = None) -> set[int]:
+        """The ASCII bytes the matcher's state allows next (its single-byte tokens the mask allows); ``mask_row``,
+        the matcher's bitmask if it is already filled, saves filling one."""
         if self._byte_ids is None:
             vocab = self.tokenizer.decoded_vocab
             found: dict[int, int] = {}
@@ -516,8 +521,10 @@ class GuessDrafts:
             self._byte_values = np.asarray(sorted(found), dtype=np.int64)
             self._byte_ids = np.asarray([found[b] for b in sorted(found)], dtype=np.int64)
             self._probe_mask = allocate_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(self._probe_mask, 0)
-        words = self._probe_mask[0].numpy().view(np.uint32)
+        if mask_row is None:
+            matcher.fill_next_token_bitmask(self._probe_mask, 0)
+            mask_row = self._probe_mask[0]
+        words = mask_row.numpy().view(np.uint32)
         ids = self._byte_ids
         bits = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
         return set(self._byte_values[bits.astype(bool)].tolist())
