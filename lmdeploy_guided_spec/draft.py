@@ -24,7 +24,7 @@ import torch
 import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
-from .forced import ForcedTokenizer, forced_token
+from .forced import ForcedTokenizer, forced_token, single_allowed_tokens
 from .guess import GuessWindow
 from .ordering import Ready, host_lists, record_ready, to_device
 from .sparse import SparseMaskBuilder, SparseRows
@@ -195,8 +195,11 @@ class DraftGrammar:
             self._verify_sparse.append(verify)
         if self.forced and position < self.num_spec_tokens:
             found = {}
-            for row in live:
-                token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer)
+            # rows whose mask allows one token, found with one scan of the position's masks
+            singles = single_allowed_tokens(self.masks[live, position], self.vocab_size) if live else []
+            for row, single in zip(live, singles):
+                token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer,
+                                     single=single)
                 if token is not None:
                     found[row] = token
             self._forced.append(found)

@@ -10,7 +10,7 @@ import xgrammar as xgr
 from lmdeploy_guided_spec import SpecGrammarManager, testing, unpack_bitmask, verification_bitmask
 from lmdeploy_guided_spec.bitmask import allocate_bitmask, pack_bool_mask
 from lmdeploy_guided_spec.draft import DraftGrammar
-from lmdeploy_guided_spec.forced import ForcedTokenizer, forced_drafts, single_allowed_token
+from lmdeploy_guided_spec.forced import ForcedTokenizer, forced_drafts, single_allowed_token, single_allowed_tokens
 
 from grammars import INSTANCES, SCHEMAS, compile_schema
 
@@ -269,3 +269,25 @@ def test_single_token_rows_from_numpy_and_torch_agree():
     row = pack_bool_mask(torch.from_numpy(allowed))[0]
     assert single_allowed_token(row, 100) == single_allowed_token(row.numpy(), 100) == 42
     assert xgr.get_bitmask_shape(1, 100)[1] == row.shape[0]
+
+
+@pytest.mark.parametrize('vocab_size', [817, 1000, 1024])
+def test_single_allowed_tokens_of_a_block_equal_the_row_by_row_answer(vocab_size):
+    gen = torch.Generator().manual_seed(vocab_size)
+    rows = []
+    for token in (0, 31, 32, vocab_size - 1):
+        one = torch.zeros(vocab_size, dtype=torch.bool)
+        one[token] = True
+        two = one.clone()
+        two[(token + 1) % vocab_size] = True
+        two_words = one.clone()
+        two_words[(token + 40) % vocab_size] = True
+        rows += [one, two, two_words]
+    rows.append(torch.zeros(vocab_size, dtype=torch.bool))
+    rows.append(torch.rand(vocab_size, generator=gen) < 0.5)
+    block = pack_bool_mask(torch.stack(rows))  # padding bits of the last word set, as xgrammar's allocate does
+    expected = [single_allowed_token(row, vocab_size) for row in block]
+    assert expected.count(None) < len(expected)
+    assert single_allowed_tokens(block, vocab_size) == expected
+    assert single_allowed_tokens(block.numpy(), vocab_size) == expected
+    assert single_allowed_tokens(allocate_bitmask(3, vocab_size), vocab_size) == [None] * 3
