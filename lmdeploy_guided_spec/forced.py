@@ -373,6 +373,11 @@ def _only_eos_after(matcher, text: str, vocab_size: int) -> bool:
     fork = matcher.fork()
     if not fork.accept_string(text):
         return False
+    # a state where the grammar cannot end yet allows a token other than a stop token: no mask needed (most forced
+    # text ends inside the instance, a key's '":' say)
+    completed = getattr(fork, 'is_completed', None)
+    if completed is not None and not completed() and not fork.is_terminated():
+        return False
     # is_terminated() is no answer: lmdeploy's matchers (terminate_without_stop_token) report it wherever the
     # grammar may end, even where it may also go on
     mask = allocate_bitmask(1, vocab_size)
