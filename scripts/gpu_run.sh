@@ -247,6 +247,8 @@ for version in "${VERSIONS[@]}"; do
     if [ "${GPU_BENCH:-1}" != 0 ]; then
         stage "lmdeploy $version: benchmarks/batch_fill.py (BatchGrammarMatcher on $(nproc) CPUs)" \
             bench "batch_fill-$version" "$VENV" benchmarks/batch_fill.py
+        stage "lmdeploy $version: benchmarks/window_cost.py (a window's grammar work on $(nproc) CPUs)" \
+            bench "window_cost-$version" "$VENV" benchmarks/window_cost.py
         for method in ${GPU_BENCH_LATE:-deepseek_mtp}; do
             stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
                 bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \
