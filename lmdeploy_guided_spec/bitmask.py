@@ -14,13 +14,24 @@ import xgrammar as xgr
 from .ordering import to_device
 
 __all__ = [
-    'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'ALL_ALLOWED'
+    'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'take_rows',
+    'ALL_ALLOWED'
 ]
 
 #: The value of a bitmask word that allows all 32 of its tokens.
 ALL_ALLOWED = -1
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def take_rows(bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Rows ``rows`` of a CPU bitmask ``(n, words)`` (a strided view too) as a new contiguous tensor.
+
+    numpy's fancy indexing: torch's advanced indexing of a CPU tensor by a list of rows takes about 20 times as
+    long for bitmask rows (8.6 ms against 0.46 ms for 128 rows of a 128k vocabulary on one core), time the engine
+    thread would wait.
+    """
+    return torch.from_numpy(bitmask.numpy()[list(rows)])
 
 
 def _shifts(device: torch.device) -> torch.Tensor:

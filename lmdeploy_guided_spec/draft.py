@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask, apply_bitmask_
+from .bitmask import allocate_bitmask, apply_bitmask_, take_rows
 from .forced import ForcedTokenizer, forced_token, single_allowed_tokens
 from .guess import GuessWindow
 from .ordering import Ready, host_lists, record_ready, to_device
@@ -156,6 +156,8 @@ class DraftGrammar:
         self.sparse = sparse
         self._live_at: list[list[int]] = []
         self._draft_sparse: list[SparseRows] = []
+        # per draft position, with a vocabulary map and dense masks: the live rows' masks, contiguous
+        self._draft_rows: list[torch.Tensor] = []
         self._verify_sparse: list[SparseRows] = []
         self._pending = self.worker.submit(self._start, dict(matchers))
 
@@ -179,10 +181,13 @@ class DraftGrammar:
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)
+        if self.vocab_map is not None and self.sparse is None and position < self.num_spec_tokens:
+            # the live rows of a draft with its own vocabulary, gathered here rather than on the engine thread
+            self._draft_rows.append(take_rows(self.masks[:, position], live))
         if self.sparse is not None:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
-            rows = self.masks[live, position]
+            rows = take_rows(self.masks[:, position], live)
             verify_rows = [row * width + position for row in live]
             if self.vocab_map is None:
                 draft, verify = self.sparse.build(rows, live, verify_rows)
@@ -196,7 +201,7 @@ class DraftGrammar:
         if self.forced and position < self.num_spec_tokens:
             found = {}
             # rows whose mask allows one token, found with one scan of the position's masks
-            singles = single_allowed_tokens(self.masks[live, position], self.vocab_size) if live else []
+            singles = single_allowed_tokens(self.masks[:, position].numpy()[live], self.vocab_size) if live else []
             for row, single in zip(live, singles):
                 token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer,
                                      single=single)
@@ -260,7 +265,9 @@ class DraftGrammar:
         if draft_sparse is not None and logits.shape[-1] == self.vocab_map.draft_vocab_size:
             return draft_sparse.apply_(logits)
         index = to_device(live, torch.long, logits.device)
-        sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), masks[live])
+        rows = (self._draft_rows[self.position] if self.position < len(self._draft_rows) else
+                take_rows(masks, live))
+        sub = self.vocab_map.mask_draft_logits_(logits.index_select(0, index), rows)
         logits.index_copy_(0, index, sub)
         return logits
 

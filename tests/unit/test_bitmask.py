@@ -4,6 +4,7 @@ import torch
 import xgrammar as xgr
 
 from lmdeploy_guided_spec import allocate_bitmask, apply_bitmask_, bitmask_words, pack_bool_mask, unpack_bitmask
+from lmdeploy_guided_spec.bitmask import take_rows
 
 pytestmark = pytest.mark.unit
 
@@ -121,3 +122,16 @@ def test_sparse_rows_apply_to_logits_narrower_than_the_grammar_vocabulary(vocab_
     assert torch.equal(got, expected)
     with pytest.raises(ValueError, match='address logits'):
         sparse_rows(bitmask, rows, vocab).apply_(torch.randn(6, vocab + 1))
+
+
+def test_take_rows_equals_torch_indexing_of_a_strided_view():
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.randint(-2**31, 2**31 - 1, (6, 4, 37), dtype=torch.int32, generator=gen)
+    view = masks[:, 2]  # one position of a window's (batch, k + 1, words) buffer
+    for rows in ([0, 1, 2, 3, 4, 5], [5, 0, 3], [4], []):
+        taken = take_rows(view, rows)
+        assert taken.is_contiguous() and torch.equal(taken, view[rows] if rows else view[:0])
+    # a copy: later fills of the buffer do not change rows already taken
+    taken = take_rows(view, [1])
+    view[1].fill_(0)
+    assert not torch.equal(taken[0], view[1])
