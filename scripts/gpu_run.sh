@@ -15,7 +15,7 @@
 #   GPU_BENCH_8B='eagle3 grammar'              # gpu_throughput.py --shape llama-3.1-8b methods, right after the tests
 #                                              # (empty: none); GPU_BENCH_8B_BATCHES (default 1,8,32,128)
 #   GPU_BENCH_METHODS / GPU_BENCH_LATE         # gpu_throughput.py methods before vs_upstream (default: eagle3
-#                                              # grammar) and after it (default: deepseek_mtp)
+#                                              # grammar) and after it (default: deepseek_mtp); empty: none
 #   GPU_BENCH_ARGS / GPU_VS_UPSTREAM_ARGS      # extra arguments, e.g. '--batch-sizes 1,8,32,128', '--methods eagle3'
 #   GPU_KIT=DIR                                # the kit's folder (default .whl)
 #   GPU_REHEARSAL=1                            # on a CPU machine with a kit for its Python: install, apply,
@@ -222,7 +222,7 @@ for version in "${VERSIONS[@]}"; do
     fi
 
     if [ "${GPU_BENCH:-1}" != 0 ]; then
-        for method in ${GPU_BENCH_METHODS:-eagle3 grammar}; do
+        for method in ${GPU_BENCH_METHODS-eagle3 grammar}; do
             stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
                 bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \
                 ${GPU_BENCH_ARGS:-}
@@ -249,7 +249,7 @@ for version in "${VERSIONS[@]}"; do
             bench "batch_fill-$version" "$VENV" benchmarks/batch_fill.py
         stage "lmdeploy $version: benchmarks/window_cost.py (a window's grammar work on $(nproc) CPUs)" \
             bench "window_cost-$version" "$VENV" benchmarks/window_cost.py
-        for method in ${GPU_BENCH_LATE:-deepseek_mtp}; do
+        for method in ${GPU_BENCH_LATE-deepseek_mtp}; do
             stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
                 bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \
                 ${GPU_BENCH_ARGS:-}
