@@ -3,7 +3,7 @@
 # newest first, install the kit into a virtual environment of its own over the machine's own torch and triton,
 # apply that release's patch series, run the GPU tests and the GPU benchmarks; on lmdeploy 0.18.0 also run
 # benchmarks/vs_upstream.py --device cuda against a second environment with the series reverted (lmdeploy's own
-# guided speculative decoding). Exit status: the first failure's, else 0.
+# guided speculative decoding). Exit status: the first failure's (3 for a stage stopped at the deadline), else 0.
 #
 #   bash scripts/gpu_run.sh                    # everything, every release in the kit
 #   GPU_LMDEPLOY=0.18.0 bash scripts/gpu_run.sh  # one release
@@ -108,16 +108,18 @@ stage() {
     timeout -k 10 "$budget" bash -euo pipefail -c '"$@"' stage "$@" || rc=$?
     local took=$(( $(date +%s) - began ))
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-        SUMMARY+=("$name: TIMED OUT after ${took}s")
+        SUMMARY+=("$name: stopped at the deadline after ${took}s (exit $rc: timeout's, or killed, e.g. out of memory)")
+        # not 124: the device tool reads that exit status as the whole command running out of time
+        fail 3
     else
         SUMMARY+=("$name: exit $rc in ${took}s")
+        if [ "$rc" != 0 ]; then fail "$rc"; fi
     fi
-    if [ "$rc" != 0 ]; then fail "$rc"; fi
     return 0
 }
 
 # install the kit with lmdeploy VERSION into DIR and apply that release's series
-install() {
+kit_install() {
     local version=$1 venv=$2
     echo "[gpu] lmdeploy $version: installing $KIT/ into $venv"
     "$PY" -m venv --system-site-packages "$venv"
@@ -183,7 +185,7 @@ bench() {
 }
 
 export PY KIT VENV_ROOT RESULTS PYTEST_ARGS
-export -f install run_tests bench
+export -f kit_install run_tests bench
 
 if [ -n "$RESULTS" ]; then mkdir -p "$RESULTS"; fi
 # the CPU tests switch on the Triton interpreter; the GPU tests run on their own and without it
@@ -193,7 +195,7 @@ unset LMDEPLOY_GUIDED_SPEC_DEVICE
 
 for version in "${VERSIONS[@]}"; do
     VENV="$VENV_ROOT/venv-$version"
-    stage "lmdeploy $version: install and apply" install "$version" "$VENV"
+    stage "lmdeploy $version: install and apply" kit_install "$version" "$VENV"
     if [ ! -x "$VENV/bin/lmdeploy-guided-spec" ]; then
         echo "[gpu] lmdeploy $version: the kit did not install; nothing else runs for this release"
         continue
@@ -203,7 +205,9 @@ for version in "${VERSIONS[@]}"; do
     upstream_pid=
     if [ "${GPU_VS_UPSTREAM:-1}" != 0 ] && [ "${version%.*}" = 0.18 ]; then
         # built on the CPU while the GPU tests run
-        ( install "$version" "$upstream" && "$upstream/bin/lmdeploy-guided-spec" revert ) \
+        # under the deadline too, and with -e in force inside kit_install (an && list would switch it off there)
+        timeout -k 10 "$(( $(left) > 60 ? $(left) - 20 : 40 ))" bash -euo pipefail -c \
+            'kit_install "$1" "$2"; "$2/bin/lmdeploy-guided-spec" revert' upstream "$version" "$upstream" \
             >"${RESULTS:-$VENV_ROOT}/install-upstream-$version.log" 2>&1 &
         upstream_pid=$!
     fi

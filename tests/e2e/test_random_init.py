@@ -10,8 +10,10 @@ import json
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 from e2e_helpers import ENGINE_KWARGS, PERSON, model_agent
 
+from lmdeploy_guided_spec import testing
 from lmdeploy_guided_spec.support import random_init
 
 #: the Llama-3.1 layout (GQA, llama3 rope scaling, untied head) at a size the CPU runs
@@ -65,7 +67,16 @@ def test_guided_speculative_output_follows_the_schema_and_equals_greedy(pipes):
     prompts = [f'Request {i}: one person as JSON.' for i in range(4)]
     gen = GenerationConfig(max_new_tokens=64, do_sample=False, response_format=fmt)
     spec, ref = pipes['spec'](prompts, gen_config=gen), pipes['ref'](prompts, gen_config=gen)
+    compiled = testing.grammar_compiler('llama3').compile_json_schema(json.dumps(PERSON))
+    stop = set(random_init.llama31_8b_config()['eos_token_id'])
     for a, b in zip(spec, ref):
         assert a.token_ids and list(a.token_ids) == list(b.token_ids), (a.text, b.text)
+        # finished or cut off, every token follows the grammar
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in a.token_ids:
+            if token in stop and matcher.is_completed():
+                break
+            assert matcher.accept_token(token), (token, a.text)
         if a.finish_reason == 'stop':
+            assert matcher.is_completed(), a.text
             jsonschema.validate(json.loads(a.text), PERSON)

@@ -42,9 +42,12 @@ def worker():
 
 def _delayed_write(values: list[list[int]]) -> torch.Tensor:
     """On the current (side) stream: sleep, then write ``values`` into fresh device ids; returns at once."""
+    # page-locked before the sleep is queued: allocating page-locked memory may wait for the device, which would
+    # end the delay early
+    source = torch.tensor(values, dtype=torch.long).pin_memory()
     ids = torch.full((len(values), len(values[0])), PLACEHOLDER, dtype=torch.long, device='cuda')
     torch.cuda._sleep(SLEEP_CYCLES)
-    ids.copy_(torch.tensor(values, dtype=torch.long).pin_memory(), non_blocking=True)
+    ids.copy_(source, non_blocking=True)
     return ids
 
 
