@@ -181,13 +181,16 @@ class DraftGrammar:
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)
-        if self.vocab_map is not None and self.sparse is None and position < self.num_spec_tokens:
-            # the live rows of a draft with its own vocabulary, gathered here rather than on the engine thread
-            self._draft_rows.append(take_rows(self.masks[:, position], live))
+        # the live rows' masks of this position, gathered once for those of the steps below that read them
+        draft_position = position < self.num_spec_tokens
+        if self.sparse is not None or (draft_position and (self.forced or self.vocab_map is not None)):
+            rows = take_rows(self.masks[:, position], live)
+        if self.vocab_map is not None and self.sparse is None and draft_position:
+            # a draft with its own vocabulary masks with them on the engine thread: gathered here, not there
+            self._draft_rows.append(rows)
         if self.sparse is not None:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
-            rows = take_rows(self.masks[:, position], live)
             verify_rows = [row * width + position for row in live]
             if self.vocab_map is None:
                 draft, verify = self.sparse.build(rows, live, verify_rows)
@@ -198,10 +201,10 @@ class DraftGrammar:
                          if position < self.num_spec_tokens else None)
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)
-        if self.forced and position < self.num_spec_tokens:
+        if self.forced and draft_position:
             found = {}
             # rows whose mask allows one token, found with one scan of the position's masks
-            singles = single_allowed_tokens(self.masks[:, position].numpy()[live], self.vocab_size) if live else []
+            singles = single_allowed_tokens(rows, self.vocab_size)
             for row, single in zip(live, singles):
                 token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer,
                                      single=single)

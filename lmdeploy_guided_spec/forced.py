@@ -56,17 +56,7 @@ def single_allowed_token(mask_row: torch.Tensor | np.ndarray, vocab_size: int) -
 
     ``mask_row`` is one int32 row ``(words,)`` in xgrammar's layout (CPU tensor or numpy array).
     """
-    words = _words(mask_row)
-    full, rest = divmod(vocab_size, 32)
-    nonzero = np.flatnonzero(words[:full])
-    # bits past vocab_size in the last word are padding (allocate_bitmask sets them)
-    tail = int(words[full]) & ((1 << rest) - 1) if rest and full < words.shape[0] else 0
-    if nonzero.size + (tail != 0) != 1:
-        return None
-    index, word = (int(nonzero[0]), int(words[nonzero[0]])) if nonzero.size else (full, tail)
-    if word & (word - 1):
-        return None
-    return index * 32 + word.bit_length() - 1
+    return single_allowed_tokens(_words(mask_row).reshape(1, -1), vocab_size)[0]
 
 
 def single_allowed_tokens(mask_rows: torch.Tensor | np.ndarray, vocab_size: int) -> list[int | None]:

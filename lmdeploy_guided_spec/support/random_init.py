@@ -76,6 +76,14 @@ class Filled:
     def __init__(self):
         self.models: list[dict] = []
         self._lock = threading.Lock()
+        #: (module, original load_model_weights) of every module :func:`install` patched
+        self._patched: list[tuple] = []
+
+    def uninstall(self) -> None:
+        """Let lmdeploy load weights as before :func:`install` (for the models it builds from now on)."""
+        for module, original in self._patched:
+            module.load_model_weights = original
+        self._patched.clear()
 
     def record(self, model: torch.nn.Module, filled: int) -> None:
         floating = sum(1 for p in model.parameters() if p.is_floating_point())
@@ -108,7 +116,7 @@ def install(*, std: float = 0.02, seed: int = 0) -> Filled:
     values before it loads their checkpoint files (which then hold only what the model cannot do without).
 
     Wraps ``load_model_weights`` where lmdeploy's model agent and speculative proposers call it; call before the
-    engine is built. Returns the record of what was filled.
+    engine is built. Returns the record of what was filled; its ``uninstall()`` undoes this.
     """
     from lmdeploy.pytorch.engine.model_agent import agent
     from lmdeploy.pytorch.spec_decode.proposers import base
@@ -125,5 +133,6 @@ def install(*, std: float = 0.02, seed: int = 0) -> Filled:
 
     for module in (agent, base):
         if getattr(module, 'load_model_weights', None) is not None:
+            record._patched.append((module, module.load_model_weights))
             module.load_model_weights = load_model_weights
     return record

@@ -39,10 +39,7 @@ def pipes(cpu_path):
         for pipe in made.values():
             pipe.close()
         # later pipelines of this session load their weights again
-        from lmdeploy.pytorch.engine.model_agent import agent
-        from lmdeploy.pytorch.spec_decode.proposers import base
-        from lmdeploy.pytorch.weight_loader import model_weight_loader
-        agent.load_model_weights = base.load_model_weights = model_weight_loader.load_model_weights
+        record.uninstall()
 
 
 def test_every_parameter_is_filled_and_the_draft_map_is_loaded(pipes):

@@ -33,9 +33,10 @@ def checker():
     from lmdeploy_guided_spec.support import tiny_models
     model = tiny_models.build_llama_target()
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    manager = GuidedDecodingManager(tokenizer, AutoConfig.from_pretrained(str(model)).vocab_size)
+    config = AutoConfig.from_pretrained(str(model))
+    manager = GuidedDecodingManager(tokenizer, config.vocab_size)
     manager.processors = {}
-    eos = AutoConfig.from_pretrained(str(model)).eos_token_id
+    eos = config.eos_token_id
     return dict(manager=manager, tokenizer=tokenizer, eos={eos} if isinstance(eos, int) else set(eos), session=[0])
 
 
