@@ -60,18 +60,22 @@ class FillCounter:
         xgr.GrammarMatcher.fill_next_token_bitmask = self._original
 
 
-def window(manager: SpecGrammarManager, workload: Workload, batch: int, k: int, session: int) -> tuple[float, int]:
+CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
+
+
+def window(manager: SpecGrammarManager, workload: Workload, batch: int, k: int, session: int,
+           clock=time.perf_counter) -> tuple[float, int]:
     """Worker seconds and one-by-one fills of one window whose drafts are the rows' instance tokens."""
     matchers = workload.matchers()
     paths = [path[start:] + [0] * (k + 1) for (_, path), start in zip(workload.items, workload.starts)]
     with FillCounter() as fills:
-        began = time.perf_counter()
+        began = clock()
         w = manager.begin_draft(matchers, batch, k, session_ids=list(range(session, session + batch)))
         for position in range(k):
             w.wait()
             w.advance(torch.tensor([[paths[row][position]] for row in range(batch)]))
         w.verification_masks()
-        seconds = time.perf_counter() - began
+        seconds = clock() - began
     manager.forget(list(range(session, session + batch)))
     return seconds, fills.calls
 
@@ -83,10 +87,14 @@ def main(argv=None) -> int:
     parser.add_argument('--k', type=int, default=3)
     parser.add_argument('--reps', type=int, default=5)
     parser.add_argument('--batch-fill', choices=('auto', 'on', 'off'), default='auto')
+    parser.add_argument('--clock', choices=tuple(CLOCKS), default='wall',
+                        help='wall: elapsed time; cpu: CPU time of the process (steadier on a busy machine; counts '
+                        'the threads of a batch fill together)')
     args = parser.parse_args(argv)
     batch_fill = None if args.batch_fill == 'auto' else args.batch_fill == 'on'
     headline = None
-    print(f'cores: {os.cpu_count()}, k={args.k}, batch fill {args.batch_fill}, worker inline, {args.reps} reps')
+    print(f'cores: {os.cpu_count()}, k={args.k}, batch fill {args.batch_fill}, worker inline, {args.reps} reps, '
+          f'{args.clock} clock')
     print(f'{"tokenizer":<9} {"B":>4} | ' + ' | '.join(f'{s + " ms":>11} {"fills":>6}' for s in SETTINGS))
     for name in args.tokenizers.split(','):
         grammars = load_grammars(name)
@@ -105,7 +113,7 @@ def main(argv=None) -> int:
             for rep in range(args.reps + 1):
                 workload = Workload(name, batch, rep, grammars)
                 for setting, manager in managers.items():
-                    seconds, calls = window(manager, workload, batch, args.k, 100_000 * rep)
+                    seconds, calls = window(manager, workload, batch, args.k, 100_000 * rep, CLOCKS[args.clock])
                     if rep:  # the first repetition warms caches up
                         times[setting].append(seconds)
                         fills[setting].append(calls)

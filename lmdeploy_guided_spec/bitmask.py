@@ -15,7 +15,7 @@ from .ordering import to_device
 
 __all__ = [
     'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'take_rows',
-    'ALL_ALLOWED'
+    'uint32_words', 'no_token_allowed', 'token_allowed', 'ALL_ALLOWED'
 ]
 
 #: The value of a bitmask word that allows all 32 of its tokens.
@@ -32,6 +32,43 @@ def take_rows(bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     thread would wait.
     """
     return torch.from_numpy(bitmask.numpy()[list(rows)])
+
+
+def uint32_words(bitmask: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A CPU bitmask (a row or a block of rows, tensor or array) as uint32 words: a view, no copy."""
+    if isinstance(bitmask, torch.Tensor):
+        bitmask = bitmask.numpy()
+    return bitmask.view(np.uint32)
+
+
+#: Words of a row read first by :func:`no_token_allowed` (2048 tokens: a row that allows any of them is settled).
+_HEAD_WORDS = 64
+
+
+def no_token_allowed(bitmask: torch.Tensor | np.ndarray, vocab_size: int,
+                     rows: Sequence[int] | None = None) -> np.ndarray:
+    """Which rows of a CPU bitmask ``(n, words)`` (a strided view too) allow no token below ``vocab_size``: a bool
+    array, one entry per row of ``rows`` (default: every row).
+
+    The first words settle almost every row (and only they are copied); a row that allows none of the first 2048
+    tokens is read whole.
+    """
+    words = uint32_words(bitmask)
+    rows = list(range(words.shape[0])) if rows is None else list(rows)
+    full, rest = divmod(vocab_size, 32)
+    head = min(_HEAD_WORDS, full)
+    empty = ~words[rows, :head].any(axis=1) if head else np.ones(len(rows), dtype=bool)
+    for i in np.flatnonzero(empty).tolist():
+        row = words[rows[i]]
+        if row[head:full].any() or (rest and full < row.shape[0] and int(row[full]) & ((1 << rest) - 1)):
+            empty[i] = False
+    return empty
+
+
+def token_allowed(mask_row: torch.Tensor | np.ndarray, token: int) -> bool:
+    """Whether a bitmask row allows ``token``."""
+    words = uint32_words(mask_row)
+    return token >= 0 and (token >> 5) < words.shape[0] and bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
 
 def _shifts(device: torch.device) -> torch.Tensor:

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask, apply_bitmask_, take_rows
-from .forced import ForcedTokenizer, forced_token, single_allowed_tokens
+from .bitmask import ALL_ALLOWED, allocate_bitmask, apply_bitmask_, no_token_allowed, take_rows, token_allowed
+from .forced import ForcedTokenizer, JumpForwardMemo, forced_token, single_allowed_tokens
 from .guess import GuessWindow
 from .ordering import Ready, host_lists, record_ready, to_device
 from .sparse import SparseMaskBuilder, SparseRows
-from .step import has_ended, stop_tokens
+from .step import has_ended, stop_only, stop_tokens
 from .vocab_map import DraftVocabMap
 from .worker import GrammarWorker
 
@@ -114,6 +114,9 @@ class DraftGrammar:
     guess_in_window : bool, default: False
         With a draft model: call ``guesses`` when the window starts, and at every draft position where a guess
         source has a token, :meth:`advance` drafts it in place of the draft model's choice (as a forced token).
+    jumps : JumpForwardMemo, optional
+        The engine's memo of long jump-forward texts: the forks start with their committed matcher's text and keep
+        it as they accept drafts (needs ``tokenizer``).
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -122,7 +125,7 @@ class DraftGrammar:
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
                  sparse: SparseMaskBuilder | None = None, forced: bool = False,
                  tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None,
-                 guess_in_window: bool = False):
+                 guess_in_window: bool = False, jumps: JumpForwardMemo | None = None):
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -136,6 +139,7 @@ class DraftGrammar:
         self.batch_matcher = batch_matcher
         self.forced = forced
         self.tokenizer = tokenizer
+        self.jumps = jumps if tokenizer is not None else None
         self.guesses = guesses
         # per draft position: {row: the token the grammar forces there}
         self._forced: list[dict[int, int]] = []
@@ -164,15 +168,24 @@ class DraftGrammar:
     # -- worker side ----------------------------------------------------------------------------------------
     def _start(self, matchers: dict) -> None:
         self.forks = {row: matchers[row].fork() for row in self.rows}
-        # a committed matcher that accepted a stop token gives no mask: its request ends
-        self.dead.update(row for row, fork in self.forks.items() if has_ended(fork))
+        self._committed = matchers
+        if self.jumps is not None and len(self.jumps):
+            for row, fork in self.forks.items():
+                self.jumps.fork(matchers[row], fork)
+        # read once per window (xgrammar converts the list on every read)
+        self._stops = {row: stop_tokens(fork) for row, fork in self.forks.items()}
+        # a committed matcher that accepted a stop token gives no mask: its request ends, or (ignoring its stop
+        # tokens) writes nothing but stop tokens
+        for row, fork in self.forks.items():
+            if has_ended(fork):
+                self.dead.add(row)
+                self._stop_only(row, 0)
         if self.guess_in_window:
             self._window_guesses = self.guesses()
         self._fill(0)
 
     def _fill(self, position: int) -> None:
         live = [row for row in self.rows if row not in self.dead]
-        self._live_at.append(live)
         flat = self.masks.view(-1, self.masks.shape[-1])
         width = self.num_spec_tokens + 1
         if self.batch_matcher is not None and len(live) >= BATCH_FILL_MIN_ROWS:
@@ -181,6 +194,9 @@ class DraftGrammar:
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)
+        if live:
+            live = self._settle_empty(live, position)
+        self._live_at.append(live)
         # the live rows' masks of this position, gathered once for those of the steps below that read them
         draft_position = position < self.num_spec_tokens
         if self.sparse is not None or (draft_position and (self.forced or self.vocab_map is not None)):
@@ -204,22 +220,50 @@ class DraftGrammar:
         if self.forced and draft_position:
             found = {}
             # rows whose mask allows one token, found with one scan of the position's masks
-            singles = single_allowed_tokens(rows, self.vocab_size)
-            for row, single in zip(live, singles):
-                token = forced_token(self.forks[row], self.masks[row, position], self.vocab_size, self.tokenizer,
-                                     single=single)
+            block = rows.numpy()
+            singles = single_allowed_tokens(block, self.vocab_size)
+            for index, (row, single) in enumerate(zip(live, singles)):
+                token = forced_token(self.forks[row], block[index], self.vocab_size, self.tokenizer, single=single,
+                                     jumps=self.jumps)
                 if token is not None:
                     found[row] = token
+            if position == 0 and self.jumps is not None and len(self.jumps):
+                # a long text read at the committed state stays with the committed matcher for later windows
+                for row in live:
+                    self.jumps.fork(self.forks[row], self._committed[row])
             self._forced.append(found)
             if self._window_guesses is not None:
-                self._guess_position(position, live, found)
+                self._guess_position(live, block, found)
         elif self._window_guesses is not None and position == self.num_spec_tokens:
             self._window_guesses.finish()
 
-    def _guess_position(self, position: int, live: list[int], found: dict[int, int]) -> None:
+    def _stop_only(self, row: int, start: int) -> None:
+        """Positions ``start..k`` of ``row`` allow its stop tokens only: its request goes on after its grammar ended
+        only when it ignores its stop tokens, and then writes nothing else (its draft logits are not masked)."""
+        width = self.num_spec_tokens + 1
+        stop_only(self.masks, (row, slice(start, width)), self.forks[row], self.vocab_size)
+        if self.sparse is not None:
+            rows = [row * width + i for i in range(start, width)]
+            self._verify_sparse += self.sparse.build(take_rows(self.masks.view(-1, self.masks.shape[-1]), rows), rows)
+
+    def _settle_empty(self, live: list[int], position: int) -> list[int]:
+        """Rows whose state allows no token (a grammar with an empty character class after a prefix) would leave
+        their logits without a finite value, and sampling them fails for the whole batch: such a row allows every
+        token instead and takes no more part in the window; the commit of what is sampled there fails its request
+        (:func:`lmdeploy_guided_spec.step.commit`: the grammar allows no token at all). Returns the other rows."""
+        empty = no_token_allowed(self.masks[:, position], self.vocab_size, live)
+        if not empty.any():
+            return live
+        for row in np.asarray(live)[empty].tolist():
+            self.masks[row, position] = ALL_ALLOWED
+            self.dead.add(row)
+        return [row for row, gone in zip(live, empty.tolist()) if not gone]
+
+    def _guess_position(self, live: list[int], block: np.ndarray, found: dict[int, int]) -> None:
+        """Guesses of the live rows at a draft position; ``block[i]`` is the mask row of ``live[i]``."""
         guessed, model = {}, set()
-        for row in live:
-            token = self._window_guesses.choose(row, self.forks[row], self.masks[row, position], found.get(row))
+        for row, mask_row in zip(live, block):
+            token = self._window_guesses.choose(row, self.forks[row], mask_row, found.get(row))
             if token is None:
                 model.add(row)
             elif token != found.get(row):
@@ -237,9 +281,16 @@ class DraftGrammar:
             if self._window_guesses is not None and row in self._model_rows[position]:
                 self._window_guesses.observe(row, token)
             fork = self.forks[row]
-            # the request ends at a drafted stop token, whether the fork accepts it (and ends) or not
-            if token in stop_tokens(fork) or not fork.accept_token(token):
+            # the request ends at a drafted stop token, whether the fork accepts it (and ends) or not; after one the
+            # grammar allows, a request that ignores its stop tokens writes only stop tokens
+            if token in self._stops[row]:
                 self.dead.add(row)
+                if token_allowed(self.masks[row, position], token):
+                    self._stop_only(row, position + 1)
+            elif not fork.accept_token(token):
+                self.dead.add(row)
+            elif self.jumps is not None and len(self.jumps):
+                self.jumps.advance(fork, self.tokenizer.token_bytes(token))
         self._fill(position + 1)
 
     # -- engine side ----------------------------------------------------------------------------------------

@@ -30,25 +30,22 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask
+from .bitmask import allocate_bitmask, token_allowed, uint32_words
 from .step import has_ended
 
-__all__ = ['ForcedTokenizer', 'single_allowed_token', 'single_allowed_tokens', 'token_allowed', 'forced_token',
-           'forced_drafts']
+__all__ = ['ForcedTokenizer', 'JumpForwardMemo', 'single_allowed_token', 'single_allowed_tokens', 'token_allowed',
+           'forced_token', 'forced_drafts']
 
 #: Texts whose tokenization a ForcedTokenizer remembers (jump-forward strings repeat: the same property names
 #: come back in every request of a schema).
 CACHE_SIZE = 8192
+#: Characters of forced text read at a position (the first token of much longer text is decided long before).
+MAX_FORCED_CHARS = 512
+#: Tokens whose extensions a ForcedTokenizer keeps as bits (at most a mask row each: 48 KiB for 128k tokens).
+EXTENSION_CACHE_SIZE = 512
 
 _SHARED: dict[tuple[int, int], tuple[weakref.ref, ForcedTokenizer]] = {}
 _SHARED_LOCK = threading.Lock()
-
-
-def _words(mask_row: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A bitmask row as uint32 words (a view, no copy)."""
-    if isinstance(mask_row, torch.Tensor):
-        mask_row = mask_row.numpy()
-    return mask_row.view(np.uint32)
 
 
 def single_allowed_token(mask_row: torch.Tensor | np.ndarray, vocab_size: int) -> int | None:
@@ -56,13 +53,13 @@ def single_allowed_token(mask_row: torch.Tensor | np.ndarray, vocab_size: int) -
 
     ``mask_row`` is one int32 row ``(words,)`` in xgrammar's layout (CPU tensor or numpy array).
     """
-    return single_allowed_tokens(_words(mask_row).reshape(1, -1), vocab_size)[0]
+    return single_allowed_tokens(uint32_words(mask_row).reshape(1, -1), vocab_size)[0]
 
 
 def single_allowed_tokens(mask_rows: torch.Tensor | np.ndarray, vocab_size: int) -> list[int | None]:
     """:func:`single_allowed_token` of every row of ``mask_rows`` ``(rows, words)``, with one scan of the block
     (a window's position of many rows, instead of one scan per row)."""
-    words = _words(mask_rows)
+    words = uint32_words(mask_rows)
     full, rest = divmod(vocab_size, 32)
     body = words[:, :full]
     counts = np.count_nonzero(body, axis=1)
@@ -80,12 +77,6 @@ def single_allowed_tokens(mask_rows: torch.Tensor | np.ndarray, vocab_size: int)
         if not word & (word - 1):
             out[i] = index * 32 + word.bit_length() - 1
     return out
-
-
-def token_allowed(mask_row: torch.Tensor | np.ndarray, token: int) -> bool:
-    """Whether a bitmask row allows ``token``."""
-    words = _words(mask_row)
-    return token >= 0 and (token >> 5) < words.shape[0] and bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
 
 def _next_prefix(prefix: bytes) -> bytes | None:
@@ -128,6 +119,8 @@ class ForcedTokenizer:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[tuple[int, ...], int, bool]] = {}
         self._extensions: dict[int, np.ndarray] = {}
+        # (token, mask words) -> the words and bits of the tokens that extend it (extended_by_allowed)
+        self._extension_bits: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def from_huggingface(cls, tokenizer, tokenizer_info: xgr.TokenizerInfo | None = None, *,
@@ -215,12 +208,22 @@ class ForcedTokenizer:
 
     def extended_by_allowed(self, token: int, mask_row: torch.Tensor | np.ndarray) -> bool:
         """Whether the bitmask row allows a token that strictly extends ``token`` (so ``token`` is not forced)."""
-        ids = self.extensions(token)
-        if ids.size == 0:
-            return False
-        words = _words(mask_row)
-        ids = ids[(ids >> 5) < words.shape[0]]
-        return bool(((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
+        words = uint32_words(mask_row)
+        key = (token, words.shape[0])
+        found = self._extension_bits.get(key)
+        if found is None:
+            # the extensions as bits of the words that hold them: one AND per check instead of a gather of
+            # thousands of ids (a short token such as '"' has thousands of extensions)
+            ids = self.extensions(token)
+            ids = ids[(ids >> 5) < words.shape[0]]
+            packed = np.zeros(words.shape[0], dtype=np.uint32)
+            np.bitwise_or.at(packed, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+            index = np.flatnonzero(packed)
+            if len(self._extension_bits) >= EXTENSION_CACHE_SIZE:
+                self._extension_bits.clear()
+            found = self._extension_bits[key] = (index, packed[index])
+        index, bits = found
+        return bool(index.size) and bool((words[index] & bits).any())
 
     # -- tokenization ---------------------------------------------------------------------------------------------
     def _encode_exact(self, text: str) -> list[int] | None:
@@ -328,8 +331,83 @@ def forced_drafts_from_env() -> bool:
     return os.environ.get(FORCED_DRAFTS_ENV, '1') != '0'
 
 
+class JumpForwardMemo:
+    """The jump-forward text of matchers inside long forced literals, kept instead of asked for again.
+
+    xgrammar builds the whole jump-forward string on every call: 0.18 s for the million characters of
+    ``a{1000000}``, at every position of every step while the request lasts, on the worker every step waits for.
+    Once a state's text is known, a state reached by accepting a strict prefix of it has the rest of that text as its
+    own (the text runs to the same branch point or end). Only texts of at least :attr:`MIN_CHARS` characters are
+    kept: shorter ones cost xgrammar little. Everything runs on the grammar worker.
+    """
+
+    #: Shortest jump-forward text that is kept.
+    MIN_CHARS = 256
+
+    def __init__(self):
+        # id(matcher) -> (weak reference, the text's bytes, offset of the matcher's state in them)
+        self._texts: dict[int, tuple[weakref.ref, bytes, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def _get(self, matcher):
+        entry = self._texts.get(id(matcher))
+        if entry is not None and entry[0]() is not matcher:
+            return None
+        return entry
+
+    def _put(self, matcher, data: bytes, offset: int) -> None:
+        key = id(matcher)
+        texts = self._texts
+
+        def drop(ref, key=key):
+            if texts.get(key, (None, ))[0] is ref:
+                texts.pop(key, None)
+
+        try:
+            texts[key] = (weakref.ref(matcher, drop), data, offset)
+        except TypeError:  # a matcher-like object without weak references: nothing kept
+            pass
+
+    def read(self, matcher) -> str:
+        """The jump-forward text of ``matcher``'s state (at most :data:`MAX_FORCED_CHARS` characters)."""
+        entry = self._get(matcher)
+        if entry is not None:
+            _, data, offset = entry
+            head = data[offset:offset + 4 * MAX_FORCED_CHARS]
+            # a state inside a character: ask xgrammar
+            if head and not 0x80 <= head[0] < 0xC0:
+                text = head.decode('utf-8', errors='ignore')
+                return text[:MAX_FORCED_CHARS]
+            self._texts.pop(id(matcher), None)
+        text = matcher.find_jump_forward_string()
+        if len(text) >= self.MIN_CHARS:
+            self._put(matcher, text.encode('utf-8'), 0)
+        return text[:MAX_FORCED_CHARS]
+
+    def fork(self, source, fork) -> None:
+        """``fork`` is at ``source``'s state (forked from it, or its origin): it has the same text."""
+        entry = self._get(source)
+        if entry is not None:
+            self._put(fork, entry[1], entry[2])
+
+    def advance(self, matcher, data: bytes) -> None:
+        """``matcher`` accepted ``data``: keep the rest of its text, or forget it (the text ended or was left)."""
+        entry = self._get(matcher)
+        if entry is None or not data:
+            return
+        _, text, offset = entry
+        end = offset + len(data)
+        if end < len(text) and text.startswith(data, offset):
+            self._put(matcher, text, end)
+        else:
+            self._texts.pop(id(matcher), None)
+
+
 def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,
-                 tokenizer: ForcedTokenizer | None = None, *, single: int | None = ...) -> int | None:
+                 tokenizer: ForcedTokenizer | None = None, *, single: int | None = ...,
+                 jumps: JumpForwardMemo | None = None) -> int | None:
     """The token the grammar forces next, or None.
 
     Parameters
@@ -344,6 +422,8 @@ def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,
         Writes jump-forward text as tokens; without it only a mask that allows a single token forces one.
     single : int or None, optional
         :func:`single_allowed_token` of ``mask_row``, where the caller found it already (for many rows at once).
+    jumps : JumpForwardMemo, optional
+        Where jump-forward text is read, so that a long forced literal is not built again at every position.
     """
     if single is ...:
         single = single_allowed_token(mask_row, vocab_size)
@@ -352,7 +432,9 @@ def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,
     jump_forward = getattr(matcher, 'find_jump_forward_string', None)
     if jump_forward is None:
         return None
-    text = jump_forward()
+    # only the start of the text decides its first token: a literal of a million characters (a{1000000}) must not
+    # be tokenized and replayed at every position (the cut counts as the text's end, which only holds tokens back)
+    text = jumps.read(matcher) if jumps is not None else jump_forward()[:MAX_FORCED_CHARS]
     if not text:
         return None
     return tokenizer.first_token(text, mask_row, lambda: _only_eos_after(matcher, text, mask_row.shape[-1] * 32))
@@ -372,7 +454,7 @@ def _only_eos_after(matcher, text: str, vocab_size: int) -> bool:
     # grammar may end, even where it may also go on
     mask = allocate_bitmask(1, vocab_size)
     fork.fill_next_token_bitmask(mask, 0)
-    words = _words(mask[0])
+    words = uint32_words(mask[0])
     stop = set(getattr(fork, 'stop_token_ids', None) or ())
     nonzero = np.flatnonzero(words)
     if nonzero.size > len(stop):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask
+from .bitmask import allocate_bitmask, uint32_words
 from .forced import ForcedTokenizer, token_allowed
 from .layout import WHITESPACE, JsonLayout, WhitespaceMemory
 
@@ -240,7 +240,7 @@ class GuessWindow:
         self.num_spec_tokens = num_spec_tokens
         self.rows = {row: _Row(history, num_spec_tokens, guesses.sources) for row, history in histories.items()}
 
-    def choose(self, row: int, fork, mask_row: torch.Tensor, forced: int | None) -> int | None:
+    def choose(self, row: int, fork, mask_row: torch.Tensor | np.ndarray, forced: int | None) -> int | None:
         """The draft of ``row`` at the current position: ``forced`` if given, else a guessed token, else None."""
         state = self.rows.get(row)
         if state is None:
@@ -290,7 +290,7 @@ class GuessWindow:
 
     # -- formatting ---------------------------------------------------------------------------------------------
     def _format_text(self, state: _Row, fork, layout: JsonLayout | None = None,
-                     mask_row: torch.Tensor | None = None) -> bytes:
+                     mask_row: torch.Tensor | np.ndarray | None = None) -> bytes:
         """Whitespace as the request writes it and the text the grammar forces around it, from the fork's state
         (and ``layout``, the row's by default). ``mask_row``: the fork's bitmask, already filled (saves a fill
         where nothing is forced at the fork's own state)."""
@@ -302,7 +302,8 @@ class GuessWindow:
         while len(text) < MAX_FORMAT_BYTES:
             jump = probe.find_jump_forward_string()
             if jump:
-                data = jump.encode('utf-8')
+                # a guess writes at most MAX_FORMAT_BYTES: the rest of a long forced literal is not replayed
+                data = jump[:MAX_FORMAT_BYTES].encode('utf-8')
                 if not probe.accept_string(data):
                     break
                 text += data
@@ -339,7 +340,7 @@ class GuessWindow:
             layout.feed(data)
         return bytes(text)
 
-    def _format_plan(self, state: _Row, fork, mask_row: torch.Tensor | None = None) -> list[int]:
+    def _format_plan(self, state: _Row, fork, mask_row: torch.Tensor | np.ndarray | None = None) -> list[int]:
         text = _decode(self._format_text(state, fork, mask_row=mask_row))
         if not text:
             return []
@@ -509,7 +510,7 @@ class GuessDrafts:
         """Requests with a history (for leak checks)."""
         return len(self._histories)
 
-    def allowed_bytes(self, matcher, mask_row: torch.Tensor | None = None) -> set[int]:
+    def allowed_bytes(self, matcher, mask_row: torch.Tensor | np.ndarray | None = None) -> set[int]:
         """The ASCII bytes the matcher's state allows next (its single-byte tokens the mask allows); ``mask_row``,
         the matcher's bitmask if it is already filled, saves filling one."""
         if self._byte_ids is None:
@@ -524,7 +525,7 @@ class GuessDrafts:
         if mask_row is None:
             matcher.fill_next_token_bitmask(self._probe_mask, 0)
             mask_row = self._probe_mask[0]
-        words = mask_row.numpy().view(np.uint32)
+        words = uint32_words(mask_row)
         ids = self._byte_ids
         bits = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
         return set(self._byte_values[bits.astype(bool)].tolist())

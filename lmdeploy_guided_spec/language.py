@@ -36,8 +36,8 @@ class _Unsupported(ValueError):
     pass
 
 
-# expression nodes: ('lit',), ('ref', name), ('seq', [nodes]), ('alt', [nodes]), ('opt', node) (may be skipped),
-# ('req', node) (at least once)
+# expression nodes: ('lit',), ('none',) (a character class that matches nothing), ('ref', name), ('seq', [nodes]),
+# ('alt', [nodes]), ('opt', node) (may be skipped), ('req', node) (at least once)
 def _skip_quoted(text: str, i: int, close: str) -> int:
     i += 1
     while i < len(text):
@@ -48,6 +48,59 @@ def _skip_quoted(text: str, i: int, close: str) -> int:
             return i + 1
         i += 1
     raise _Unsupported(f'unterminated {close}')
+
+
+#: Escapes of single characters in the classes xgrammar prints.
+_CLASS_ESCAPES = {'0': 0, 'a': 7, 'b': 8, 't': 9, 'n': 10, 'v': 11, 'f': 12, 'r': 13, 'e': 27}
+_HEX_ESCAPES = {'x': 2, 'u': 4, 'U': 8}
+MAX_CODE_POINT = 0x10FFFF
+
+
+def _class_char(body: str, i: int) -> tuple[int, int]:
+    """The code point of the class character at ``body[i]`` and the index after it."""
+    if body[i] != '\\':
+        return ord(body[i]), i + 1
+    if i + 1 >= len(body):
+        raise _Unsupported('class ends in a backslash')
+    ch = body[i + 1]
+    if ch in _HEX_ESCAPES:
+        digits = body[i + 2:i + 2 + _HEX_ESCAPES[ch]]
+        if len(digits) != _HEX_ESCAPES[ch] or not all(d in '0123456789abcdefABCDEF' for d in digits):
+            raise _Unsupported(f'escape \\{ch}{digits}')
+        return int(digits, 16), i + 2 + len(digits)
+    if ch in _CLASS_ESCAPES:
+        return _CLASS_ESCAPES[ch], i + 2
+    if ch.isalnum():
+        # a class escape such as \d or \s, or one this analysis does not know
+        raise _Unsupported(f'escape \\{ch}')
+    return ord(ch), i + 2
+
+
+def _class_is_empty(body: str) -> bool:
+    """Whether the character class with contents ``body`` (between ``[`` and ``]``) matches no character: an empty
+    class, or a negated one whose ranges cover every code point. Contents it cannot read count as not empty."""
+    negated = body.startswith('^')
+    if negated:
+        body = body[1:]
+    ranges = []
+    i = 0
+    try:
+        while i < len(body):
+            low, i = _class_char(body, i)
+            high = low
+            if i + 1 < len(body) and body[i] == '-':
+                high, i = _class_char(body, i + 1)
+            ranges.append((low, high))
+    except _Unsupported:
+        return False
+    if not negated:
+        return not any(low <= high for low, high in ranges)
+    covered = 0  # every code point below this one is in a range
+    for low, high in sorted(ranges):
+        if low > covered:
+            return False
+        covered = max(covered, high + 1)
+    return covered > MAX_CODE_POINT
 
 
 class _Parser:
@@ -110,8 +163,10 @@ class _Parser:
             self.i = _skip_quoted(self.text, self.i, '"')
             return ('lit', )
         if ch == '[':
+            start = self.i
             self.i = _skip_quoted(self.text, self.i, ']')
-            return ('lit', )
+            # a class that matches no character ([^\s\S] in a regex) derives nothing
+            return ('none', ) if _class_is_empty(self.text[start + 1:self.i - 1]) else ('lit', )
         if ch == '(':
             lookahead = self.text.startswith('(=', self.i)
             self.i += 2 if lookahead else 1
@@ -152,6 +207,8 @@ def _productive(node, productive: set[str]) -> bool:
     kind = node[0]
     if kind in ('lit', 'opt'):
         return True
+    if kind == 'none':
+        return False
     if kind == 'ref':
         return node[1] in productive
     if kind == 'seq':

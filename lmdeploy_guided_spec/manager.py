@@ -37,7 +37,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
-from .forced import ForcedTokenizer, forced_drafts_from_env
+from .forced import ForcedTokenizer, JumpForwardMemo, forced_drafts_from_env
 from .guess import GuessDrafts
 from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
@@ -126,6 +126,8 @@ class SpecGrammarManager:
             guesses = GuessDrafts(self.forced_tokenizer, vocab_size, sources=sources)
             self.guesses = guesses if guesses.enabled else None
         self.window_guesses = True if window_guesses is None else window_guesses
+        #: Long jump-forward texts of committed matchers and their forks (:class:`JumpForwardMemo`)
+        self.jumps = JumpForwardMemo() if self.forced_tokenizer is not None else None
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)
@@ -191,19 +193,33 @@ class SpecGrammarManager:
         return bitmask
 
     def apply_(self, logits: torch.Tensor, bitmask: torch.Tensor | None, matchers: Matchers,
-               num_positions: int = 1) -> torch.Tensor:
+               num_positions: int = 1, *, banned: bool = False) -> torch.Tensor:
         """Mask the rows of guided requests in ``logits`` ``(batch * num_positions, vocab)`` in place.
 
         One host-to-device copy (non-blocking from page-locked memory) and one masking kernel. ``bitmask`` comes
         from :meth:`next_token_bitmask` (``num_positions=1``) or :meth:`verification_bitmask`
         (``num_positions=k+1``); None leaves the logits untouched.
+
+        ``banned``: processors that ran before may have set tokens to ``-inf`` (bad words; stop tokens of a request
+        with ``ignore_eos`` or short of ``min_new_tokens``; lmdeploy's n-gram stop). Where they and the grammar leave
+        a row no token, the grammar wins: the row takes the grammar's tokens, all alike (the stop token at the end
+        of a grammar). Sampling a row without a finite logit fails the whole batch. Costs a few passes over the
+        logits, without a device synchronization; only with ``banned``.
         """
         if bitmask is None or not matchers:
             return logits
         if isinstance(bitmask, SparseRows):
-            return bitmask.apply_(logits)
-        rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
-        return apply_bitmask_(logits, bitmask, rows=rows)
+            masked = bitmask.apply_(logits)
+        else:
+            rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
+            masked = apply_bitmask_(logits, bitmask, rows=rows)
+        if banned:
+            grammar_only = torch.zeros_like(masked)
+            grammar_only = (bitmask.apply_(grammar_only) if isinstance(bitmask, SparseRows) else
+                            apply_bitmask_(grammar_only, bitmask, rows=rows))
+            emptied = masked.amax(-1, keepdim=True) == float('-inf')
+            masked.copy_(torch.where(emptied, grammar_only, masked))
+        return masked
 
     # -- commit -----------------------------------------------------------------------------------------------
     def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
@@ -251,10 +267,16 @@ class SpecGrammarManager:
 
     def _commit(self, matchers: dict, token_ids, session_ids, ready) -> dict[int, int]:
         failures: dict = {}
-        if self.guesses is not None:
+        jumps = self.jumps if self.jumps is not None and len(self.jumps) else None
+        if self.guesses is not None or jumps is not None:
             token_ids, ready = host_lists(token_ids, ready), None
         accepted = commit(matchers, token_ids, session_ids=session_ids, failures=failures, vocab_size=self.vocab_size,
                           ready=ready)
+        if jumps is not None:
+            token_bytes = self.forced_tokenizer.token_bytes
+            for row, matcher in matchers.items():
+                tokens = token_ids[row] if isinstance(token_ids[row], list) else [token_ids[row]]
+                jumps.advance(matcher, b''.join(token_bytes(int(t)) for t in tokens[:accepted[row]]))
         if self.guesses is not None:
             self.guesses.committed(matchers, token_ids)
         if failures:
@@ -310,7 +332,8 @@ class SpecGrammarManager:
                               vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=self.forced_drafts,
-                              tokenizer=self.forced_tokenizer, guesses=guesses, guess_in_window=guesses is not None)
+                              tokenizer=self.forced_tokenizer, guesses=guesses, guess_in_window=guesses is not None,
+                              jumps=self.jumps)
         self._keep(window, matchers, session_ids)
         return window
 
@@ -337,7 +360,8 @@ class SpecGrammarManager:
                               session_ids=session_ids, pin_memory=self.pin_memory,
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=True,
                               tokenizer=self.forced_tokenizer, guesses=self._guess_window(matchers, session_ids,
-                                                                                         prompt_ids, num_spec_tokens))
+                                                                                         prompt_ids, num_spec_tokens),
+                              jumps=self.jumps)
         self._keep(window, matchers, session_ids)
         return window.propose(filler, num_model_tokens=num_model_tokens)
 

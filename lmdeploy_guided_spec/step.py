@@ -7,6 +7,12 @@ Invariants
 * Verification mask ``i`` of a request is the bitmask of its grammar state after draft tokens ``0..i-1``.
   Once a draft token is rejected by the grammar, or a stop token accepted, later positions are unreachable: their
   rows allow every token (they are never sampled from, and all-``-inf`` rows would only produce NaNs).
+* A committed matcher that has ended (it accepted a stop token) and is still asked for masks belongs to a request
+  that ignores its stop tokens (``ignore_eos``, ``min_new_tokens``): its rows allow only stop tokens
+  (:func:`stop_only`), so the output's text stays what the grammar accepted.
+* A state that allows no token at all (an empty character class after a prefix) gets a row that allows every
+  token, never an all-``-inf`` one that fails sampling for the whole batch; the commit of what is sampled there
+  fails that request (the grammar allows no token at all).
 * A committed token the grammar rejects is a failure of its request, never a silent fallback (:func:`commit`).
 
 Two kinds of matchers meet the core. lmdeploy 0.14 builds them with ``terminate_without_stop_token=True``: they
@@ -18,14 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask, unpack_bitmask
+from .bitmask import ALL_ALLOWED, allocate_bitmask, no_token_allowed, token_allowed, unpack_bitmask
 from .errors import GrammarRejectedError
 from .ordering import Ready, host_lists
 
-__all__ = ['fill_bitmask', 'verification_bitmask', 'commit', 'has_ended', 'stop_tokens', 'grammar_is_empty']
+__all__ = [
+    'fill_bitmask', 'verification_bitmask', 'commit', 'has_ended', 'stop_tokens', 'stop_only', 'grammar_is_empty'
+]
 
 Matchers = Mapping[int, xgr.GrammarMatcher]
 
@@ -85,17 +94,48 @@ def grammar_is_empty(grammar: xgr.CompiledGrammar | xgr.GrammarMatcher, vocab_si
 
 
 def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
-    """Bitmask ``(batch_size, words)`` of the committed states; rows without a matcher, or whose matcher has ended
-    (:func:`has_ended`), allow everything.
+    """Bitmask ``(batch_size, words)`` of the committed states; rows without a matcher, or whose state allows no
+    token, allow everything; those whose matcher has ended (:func:`has_ended`) allow its stop tokens only.
 
     Does not change any matcher. ``pin_memory`` page-locks the bitmask, for a copy to the device that does not
     block the host.
     """
     bitmask = allocate_bitmask(batch_size, vocab_size, pin_memory=pin_memory)
     for row, matcher in matchers.items():
-        if not has_ended(matcher):
+        if has_ended(matcher):
+            stop_only(bitmask, row, matcher, vocab_size)
+        else:
             matcher.fill_next_token_bitmask(bitmask, row)
+            _settle_empty(bitmask, row, vocab_size)
     return bitmask
+
+
+def stop_only(bitmask: torch.Tensor, rows, matcher, vocab_size: int) -> None:
+    """Let ``bitmask[rows]`` allow only the stop tokens of a matcher that has ended (:func:`has_ended`).
+
+    A request goes on after its grammar ended only when it ignores its stop tokens (``ignore_eos``, or
+    ``min_new_tokens`` not reached): what follows may only be stop tokens, which output text leaves out, so the
+    text stays what the grammar accepted. Rows stay as they are for a matcher without stop tokens.
+    """
+    stops = [t for t in stop_tokens(matcher) if 0 <= t < vocab_size]
+    if not stops:
+        return
+    words = np.zeros(bitmask.shape[-1], dtype=np.uint32)
+    for token in stops:
+        words[token >> 5] |= np.uint32(1 << (token & 31))
+    bitmask[rows] = torch.from_numpy(words.view(np.int32))
+
+
+def _settle_empty(bitmask: torch.Tensor, row: int, vocab_size: int) -> bool:
+    """Let a filled row that allows no token allow every token instead (True if it did).
+
+    Logits without a finite value fail sampling for the whole batch; the commit of whatever is sampled at such a
+    state fails its request instead (:func:`commit`: the grammar allows no token at all).
+    """
+    if not no_token_allowed(bitmask, vocab_size, (row, ))[0]:
+        return False
+    bitmask[row] = ALL_ALLOWED
+    return True
 
 
 def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -120,8 +160,9 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
     -------
     torch.Tensor
         ``(batch_size * (num_spec_tokens + 1), words)`` int32 CPU bitmask; row ``b * (k + 1) + i`` is the mask of
-        request ``b`` after its draft tokens ``0..i-1``. Unguided rows and unreachable positions (after a rejected
-        draft, or after an accepted stop token) allow every token.
+        request ``b`` after its draft tokens ``0..i-1``. Unguided rows, states that allow no token, and unreachable
+        positions (after a draft the grammar rejects) allow every token; positions after a drafted stop token the
+        grammar allows, and every row of a request whose matcher has ended, allow its stop tokens only.
 
     Pseudocode::
 
@@ -129,6 +170,7 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
             f = m.fork()
             for i in 0..k: fill(f, row b*(k+1)+i)
                 if i == k or draft[b][i] is a stop token or not f.accept(draft[b][i]): break
+            (after a stop token that fill allowed, the rows that follow allow stop tokens only)
     """
     drafts = host_lists(draft_token_ids, ready)
     batch_size = len(drafts)
@@ -136,17 +178,23 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
     bitmask = allocate_bitmask(batch_size * num_pos, vocab_size, pin_memory=pin_memory)
     for row, matcher in matchers.items():
         if has_ended(matcher):
+            stop_only(bitmask, slice(row * num_pos, (row + 1) * num_pos), matcher, vocab_size)
             continue
         fork = matcher.fork()
         stop = stop_tokens(fork)
         base = row * num_pos
         for i in range(num_pos):
             fork.fill_next_token_bitmask(bitmask, base + i)
-            if i == num_pos - 1:
+            if i == num_pos - 1 or _settle_empty(bitmask, base + i, vocab_size):
                 break
             token = int(drafts[row][i])
-            # the request ends at a stop token, whether the matcher accepts it (and ends) or not
-            if token in stop or not fork.accept_token(token):
+            # the request ends at a stop token, whether the matcher accepts it (and ends) or not; one that ignores
+            # its stop tokens writes only stop tokens after one the grammar allowed
+            if token in stop:
+                if token_allowed(bitmask[base + i], token):
+                    stop_only(bitmask, slice(base + i + 1, base + num_pos), fork, vocab_size)
+                break
+            if not fork.accept_token(token):
                 break
     return bitmask
 

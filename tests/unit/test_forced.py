@@ -291,3 +291,81 @@ def test_single_allowed_tokens_of_a_block_equal_the_row_by_row_answer(vocab_size
     assert single_allowed_tokens(block, vocab_size) == expected
     assert single_allowed_tokens(block.numpy(), vocab_size) == expected
     assert single_allowed_tokens(allocate_bitmask(3, vocab_size), vocab_size) == [None] * 3
+
+
+def test_extended_by_allowed_equals_checking_every_extension(llama3):
+    forced = _forced(llama3)
+    vocab = forced.decoded_vocab
+    size = _vocab(llama3)
+    gen = torch.Generator().manual_seed(7)
+    quote, brace = forced.encode('"')[0], forced.encode('}')[0]
+    tokens = [quote, brace, forced.encode(' ')[0], forced.encode('{"')[0]]
+    for token in tokens:
+        extensions = forced.extensions(token).tolist()
+        assert all(vocab[t].startswith(vocab[token]) and len(vocab[t]) > len(vocab[token]) for t in extensions)
+        for density in (0.0, 1e-4, 0.5):
+            allowed = torch.rand(size, generator=gen) < density
+            if density == 0.0 and extensions:
+                allowed[extensions[-1]] = True  # one extension, the last of the sorted ones
+            mask = pack_bool_mask(allowed.reshape(1, -1))[0]
+            expected = any(bool(allowed[t]) for t in extensions)
+            # twice: the first call builds the token's bits, the second reads them
+            assert forced.extended_by_allowed(token, mask) == expected
+            assert forced.extended_by_allowed(token, mask.numpy()) == expected
+    assert forced.extensions(quote).size > 100  # the case the bits are for: thousands of tokens start with '"'
+
+
+class _JumpCounter:
+    """Counts GrammarMatcher.find_jump_forward_string calls and the characters they return."""
+
+    def __init__(self, monkeypatch):
+        self.calls = self.chars = 0
+        original = xgr.GrammarMatcher.find_jump_forward_string
+
+        def counted(matcher):
+            text = original(matcher)
+            self.calls += 1
+            self.chars += len(text)
+            return text
+
+        monkeypatch.setattr(xgr.GrammarMatcher, 'find_jump_forward_string', counted)
+
+
+@pytest.mark.parametrize('method', ['propose', 'window'])
+def test_a_long_forced_literal_is_read_once_not_at_every_position(llama3, method, monkeypatch):
+    """regex a{100000} forces 100,000 characters; xgrammar builds the whole string on every call, so reading it at
+    every position of every step held the worker (and every other request) for seconds per token at a{1000000}."""
+    from lmdeploy_guided_spec import GrammarWorker
+    compiled = testing.grammar_compiler(llama3).compile_regex('a{100000}')
+    tokenizer = testing.load_tokenizer(llama3)
+    runs = {}
+    for memo in (True, False):
+        manager = SpecGrammarManager(_vocab(llama3), worker=GrammarWorker(inline=True), pin_memory=False,
+                                     sparse_masks=False, tokenizer=tokenizer, guess_drafts=False)
+        if not memo:
+            manager.jumps = None
+        counter = _JumpCounter(monkeypatch)
+        committed = xgr.GrammarMatcher(compiled)
+        drafts = []
+        for step in range(8):
+            if method == 'propose':
+                tokens = manager.propose({0: committed}, 1, 3, session_ids=[5])[0].tolist()
+            else:
+                window = manager.begin_draft({0: committed}, 1, 3, session_ids=[5])
+                tokens = []
+                for _ in range(3):
+                    chosen = torch.zeros(1, 1, dtype=torch.long)  # the draft model's choice, replaced
+                    window.advance(chosen)
+                    tokens.append(int(chosen[0, 0]))
+            manager.verification_bitmask({0: committed}, [tokens], [5])
+            # every draft is accepted (the target's bonus token left out)
+            assert manager.commit({0: committed}, [tokens], session_ids=[5]) == {0: 3}
+            drafts.append(tokens)
+        runs[memo] = drafts, counter.calls, counter.chars
+        monkeypatch.undo()
+    (with_memo, calls, chars), (without, calls_before, _) = runs[True], runs[False]
+    assert with_memo == without, 'the memo changes no draft'
+    text = tokenizer.decode([t for d in with_memo for t in d])
+    assert text == 'a' * len(text) and len(text) > 24
+    assert calls == 1 and chars == 100_000, (calls, chars)
+    assert calls_before >= 8 * 3, calls_before  # before: at every draft position of every step

@@ -27,7 +27,27 @@ NOT_EMPTY = {
                       '$ref': '#/$defs/n'},
     'array of self': {'$defs': {'n': {'type': 'array', 'items': {'$ref': '#/$defs/n'}}}, '$ref': '#/$defs/n'},
     'pattern key': {'type': 'object', 'patternProperties': {'^[a-z_-]{1,9}$': {'type': 'integer'}}},
+    'optional property of no instance': {'type': 'object', 'properties': {
+        'a': {'type': 'string', 'pattern': '^[^\\s\\S]$'}}},
 }
+EMPTY['string that matches no character'] = {'type': 'string', 'pattern': '^[^\\s\\S]$'}
+EMPTY['required property of no instance'] = {'type': 'object', 'properties': {
+    'a': {'type': 'string', 'pattern': '^[^\\s\\S]$'}}, 'required': ['a']}
+# regexes whose character classes match nothing (xgrammar prints them as negated classes of every code point), and
+# some that match something
+EMPTY_REGEXES = ['[^\\s\\S]', 'a[^\\s\\S]', '[^\\d\\D]+', '[^\\x00-\\U0010FFFF]', '(x|y)[^\\w\\W]z']
+NOT_EMPTY_REGEXES = ['a[^\\s\\S]|b', '[^a]', '[\\s\\S]', 'x*[^\\s\\S]?', '[^"\\\\]', '[\\]\\-]', '[^\\x00-\\U0010FFFE]',
+                     '[^\\n]*']
+
+
+@pytest.mark.parametrize('regex', EMPTY_REGEXES)
+def test_classes_that_match_nothing_make_a_language_empty(regex):
+    assert language_is_empty(xgr.Grammar.from_regex(regex))
+
+
+@pytest.mark.parametrize('regex', NOT_EMPTY_REGEXES)
+def test_classes_that_match_something_do_not(regex):
+    assert not language_is_empty(xgr.Grammar.from_regex(regex))
 
 
 @pytest.mark.parametrize('name', sorted(EMPTY))

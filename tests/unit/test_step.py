@@ -348,3 +348,121 @@ def test_fork_independence_with_xgrammar(llama3, new_matcher):
         assert f.accept_token(t)
     assert isinstance(f, xgr.GrammarMatcher)
     assert torch.equal(testing.allowed_tokens(m, 128256), testing.allowed_tokens(new_matcher(compiled), 128256))
+
+
+# 'a' is allowed first, and after it nothing at all: the empty character class follows a prefix, so the language is
+# not empty ('b') and no entry check can refuse it
+DEAD_END_REGEX = 'a[^\\s\\S]|b'
+
+
+@pytest.mark.parametrize('path', ['manager', 'window', 'window_sparse', 'verification'])
+def test_a_state_that_allows_no_token_gets_finite_logits_and_fails_its_request(llama3, path, new_matcher):
+    vocab = _vocab(llama3)
+    compiled = testing.grammar_compiler(llama3).compile_regex(DEAD_END_REGEX)
+    a = _path(llama3, 'a')[0]
+    assert not grammar_is_empty(compiled)
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
+                                 sparse_masks=path == 'window_sparse')
+    dead_end = new_matcher(compiled)
+    assert dead_end.accept_token(a) and not testing.allowed_tokens(dead_end, vocab).any()
+    fresh = new_matcher(compiled)
+    if path == 'manager':
+        # the committed state allows nothing (the first token of a request, or a step without drafts)
+        logits = torch.randn(2, vocab)
+        manager.apply_(logits, manager.next_token_bitmask({0: dead_end}, 2), {0: dead_end})
+    elif path == 'verification':
+        # drafts that lead into the dead end: the position after 'a' allows everything, the rest are unreachable
+        bitmask = manager.verification_bitmask({0: fresh, 1: dead_end}, [[a, 0, 0], [0, 0, 0]], [1, 2])
+        logits = torch.randn(8, vocab)
+        manager.apply_(logits, bitmask, {0: fresh, 1: dead_end}, num_positions=4)
+        allowed = unpack_bitmask(bitmask, vocab)
+        assert allowed[0].sum() < vocab and allowed[1:].all()
+    else:
+        window = manager.begin_draft({0: fresh, 1: dead_end}, 2, 3, session_ids=[1, 2])
+        for position in range(3):
+            logits = torch.randn(2, vocab)
+            window.mask_logits_(logits)
+            assert torch.isfinite(logits).any(-1).all(), f'a row without a finite logit at draft position {position}'
+            window.advance([a, 0])
+        assert window.dead == {0, 1}
+        logits = torch.randn(8, vocab)
+        manager.apply_(logits, manager.verification_bitmask({0: fresh, 1: dead_end}, [[a, 0, 0], [0, 0, 0]], [1, 2]),
+                       {0: fresh, 1: dead_end}, num_positions=4)
+    assert torch.isfinite(logits).any(-1).all(), 'a row without a finite logit fails sampling for the whole batch'
+    # whatever is sampled there fails the request, naming the cause
+    manager.commit({0: dead_end}, [[int(logits[0].argmax())]], session_ids=[2])
+    assert 'allows no token at all' in manager.pop_failures()[2]
+    assert fresh.accept_token(a) and not fresh.is_terminated()  # the committed matcher did not move before
+
+
+@pytest.mark.parametrize('path', ['next_token', 'verification', 'window', 'window_sparse'])
+def test_a_request_that_goes_on_after_its_grammar_ended_writes_only_stop_tokens(llama3, path, new_matcher):
+    """ignore_eos (or min_new_tokens not reached) keeps a request going after its grammar ended: its rows allow its
+    stop tokens only, never every token (which let the text run on past the JSON, unconstrained)."""
+    vocab = _vocab(llama3)
+    tok = testing.load_tokenizer(llama3)
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    full = _path(llama3, dumps(INSTANCES['person'][0]))
+    ended = _state_after(new_matcher, compiled, full)
+    ended.accept_token(tok.eos_token_id)
+    other = new_matcher(compiled)
+    matchers = {0: other, 1: ended}
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
+                                 sparse_masks=path == 'window_sparse')
+    if path == 'next_token':
+        positions, bitmask = 1, manager.next_token_bitmask(matchers, 2)
+    else:
+        positions = 4
+        if path != 'verification':
+            window = manager.begin_draft(matchers, 2, 3, session_ids=[1, 2])
+            for _ in range(3):
+                window.advance([full[0], tok.eos_token_id])
+        bitmask = manager.verification_bitmask(matchers, [full[:3], [tok.eos_token_id] * 3], [1, 2])
+    logits = torch.zeros(2 * positions, vocab)
+    manager.apply_(logits, bitmask, matchers, positions)
+    stops = sorted(testing.tokenizer_info(llama3).stop_token_ids)
+    # the 0.14-style matcher never ends: after the grammar's end it allows exactly its stop tokens too
+    for i in range(positions, 2 * positions):
+        allowed = torch.isfinite(logits[i]).nonzero().flatten().tolist()
+        assert allowed == stops, (i, allowed[:5])
+    assert torch.isfinite(logits[0]).sum() < vocab  # the other request is still masked by its grammar
+    # what is sampled there is committed without a failure
+    manager.commit(matchers, [[full[0]], [stops[0]]], session_ids=[1, 2])
+    assert manager.pop_failures() == {}
+
+
+@pytest.mark.parametrize('sparse', [False, True])
+def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llama3, sparse, new_matcher):
+    """ignore_eos bans the stop tokens the end of a grammar allows alone; lmdeploy's n-gram stop bans every token
+    but a stop token in the middle of one. With ``banned`` the emptied rows take the grammar's tokens; the rest are
+    masked as always, and without ``banned`` nothing changes (the caller says when processors may have banned)."""
+    vocab = _vocab(llama3)
+    tok = testing.load_tokenizer(llama3)
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    full = _path(llama3, dumps(INSTANCES['person'][0]))
+    at_end = _state_after(new_matcher, compiled, full)
+    middle = _state_after(new_matcher, compiled, full[:3])
+    start = new_matcher(compiled)
+    matchers = {0: at_end, 1: middle, 2: start}
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False, sparse_masks=sparse)
+    bitmask = manager.next_token_bitmask(matchers, 4)
+    if sparse:
+        from lmdeploy_guided_spec.sparse import sparse_rows
+        bitmask = sparse_rows(bitmask[:3], [0, 1, 2], vocab)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen)
+    stops = sorted(testing.tokenizer_info(llama3).stop_token_ids)
+    logits[0, stops] = float('-inf')  # ignore_eos
+    logits[1] = float('-inf')  # the n-gram stop: only a stop token is left, which the grammar disallows here
+    logits[1, stops[0]] = 0.0
+    logits[2, :1000] = float('-inf')  # bad words that leave the grammar something
+    before = logits.clone()
+    plain = manager.apply_(logits.clone(), bitmask, matchers)
+    assert not torch.isfinite(plain[:2]).any(-1).any()  # what killed the engine: rows without a finite logit
+    out = manager.apply_(logits, bitmask, matchers, banned=True)
+    allowed = testing.allowed_tokens
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == stops
+    assert torch.equal(torch.isfinite(out[1]), allowed(middle, vocab)[:vocab])
+    assert (out[0][torch.isfinite(out[0])] == 0).all() and (out[1][torch.isfinite(out[1])] == 0).all()
+    assert torch.equal(out[2], plain[2]) and torch.isfinite(out[2]).any()
+    assert torch.equal(out[3], before[3])  # the unguided row

@@ -1,6 +1,7 @@
 """Matchers that end: lmdeploy 0.15+ builds plain ``xgrammar.GrammarMatcher(compiled)`` objects, which accept a stop
-token and then refuse masks and jump-forward strings. Every position after an accepted stop token is unreachable:
-its mask row allows every token, and no later token is accepted or reported as a failure."""
+token and then refuse masks and jump-forward strings. A request goes on after a stop token only when it ignores its
+stop tokens (``ignore_eos``, ``min_new_tokens``): every position after a stop token the grammar allows allows stop
+tokens only, and no later token is accepted or reported as a failure."""
 import functools
 import json
 
@@ -64,19 +65,25 @@ def test_has_ended_only_after_a_stop_token(new_matcher):
     assert has_ended(_ended())
 
 
-def test_fill_bitmask_of_an_ended_matcher_allows_everything():
+def _stops():
+    return sorted(testing.tokenizer_info(NAME).stop_token_ids)
+
+
+def test_fill_bitmask_of_an_ended_matcher_allows_its_stop_tokens():
     fresh = xgr.GrammarMatcher(compile_schema(NAME, SCHEMAS['person']))
     allowed = unpack_bitmask(fill_bitmask({0: _ended(), 1: fresh}, 2, V), V)
-    assert allowed[0].all()
+    assert allowed[0].nonzero().flatten().tolist() == _stops()
     assert torch.equal(allowed[1], testing.allowed_tokens(fresh, V))
 
 
-def test_verification_of_an_ended_matcher_allows_everything():
-    assert unpack_bitmask(verification_bitmask({0: _ended()}, [[1, 2, 3]], V), V).all()
+def test_verification_of_an_ended_matcher_allows_its_stop_tokens():
+    allowed = unpack_bitmask(verification_bitmask({0: _ended()}, [[1, 2, 3]], V), V)
+    assert all(row.nonzero().flatten().tolist() == _stops() for row in allowed)
 
 
 def test_verification_past_a_drafted_stop_token(new_matcher):
-    """Drafts that end the grammar and go on: the positions after the stop token are unreachable."""
+    """Drafts that end the grammar and go on: after the stop token, stop tokens only (reached only by a request that
+    ignores its stop tokens)."""
     compiled = compile_schema(NAME, SCHEMAS['person'])
     path = _path()
     m = new_matcher(compiled)
@@ -88,7 +95,10 @@ def test_verification_past_a_drafted_stop_token(new_matcher):
     ref = m.fork()
     assert ref.accept_token(path[-1])
     assert torch.equal(allowed[1], testing.allowed_tokens(ref, V)) and allowed[1, _eos()]
-    assert allowed[2:].all()
+    assert all(row.nonzero().flatten().tolist() == _stops() for row in allowed[2:])
+    # after a stop token the grammar does not allow there, the positions are unreachable: every token
+    allowed = unpack_bitmask(verification_bitmask({0: m}, [[_eos(), path[-1], path[0]]], V), V)
+    assert not allowed[0, _eos()] and allowed[1:].all()
 
 
 @pytest.mark.parametrize('threaded', [False, True])
