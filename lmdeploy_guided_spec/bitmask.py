@@ -15,7 +15,7 @@ from .ordering import to_device
 
 __all__ = [
     'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'take_rows',
-    'uint32_words', 'no_token_allowed', 'token_allowed', 'ALL_ALLOWED'
+    'uint32_words', 'no_token_allowed', 'token_allowed', 'keep_grammar_tokens_', 'ALL_ALLOWED'
 ]
 
 #: The value of a bitmask word that allows all 32 of its tokens.
@@ -187,3 +187,18 @@ def apply_bitmask_(logits: torch.Tensor,
         sub[:, covered:] = float('-inf')
         logits.index_copy_(0, index, sub)
     return logits
+
+
+def keep_grammar_tokens_(logits: torch.Tensor, bitmask: torch.Tensor, *,
+                         rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``logits`` left without a finite value take the tokens ``bitmask`` allows, all alike; in place.
+
+    For logits masked with ``bitmask`` (:func:`apply_bitmask_`, same ``rows``) before or after processors that set
+    tokens to ``-inf``: bad words, the stop tokens of a request that ignores them, an n-gram stop. Where they and the
+    grammar leave a row nothing, the grammar wins; sampling a row without a finite logit fails the whole batch.
+    Three passes over the logits and no device synchronization: call it only where a processor may have banned
+    tokens.
+    """
+    grammar_only = apply_bitmask_(torch.zeros_like(logits), bitmask, rows=rows)
+    emptied = logits.amax(-1, keepdim=True) == float('-inf')
+    return logits.copy_(torch.where(emptied, grammar_only, logits))

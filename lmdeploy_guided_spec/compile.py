@@ -37,7 +37,9 @@ import xgrammar as xgr
 
 from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
 
-__all__ = ['GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'KINDS']
+__all__ = [
+    'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'KINDS', 'grammar_stop_token_ids'
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,23 @@ _CHILD_CODE = ('import sys; from lmdeploy_guided_spec.compile import _child_main
 # starting a child imports xgrammar and reads the tokenizer info (a few seconds on a loaded machine at most);
 # this is not the compile limit, only a guard against a child that never comes up
 _STARTUP_TIMEOUT_S = 120.0
+
+
+def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) -> list[int]:
+    """The stop tokens to build a grammar's ``xgrammar.TokenizerInfo`` with: the engine's (a model's EOS tokens, a
+    list or one id; ``<|eot_id|>`` and ``<|eom_id|>`` of Llama 3, say) and the tokenizer's EOS, below ``vocab_size``.
+
+    xgrammar finds the tokenizer's EOS alone. Another token the engine stops at is text to the grammar (its bytes
+    spell ``<|eot_id|>``), allowed inside a JSON string: the engine would end the request there, in the middle of
+    the JSON. As a stop token of the grammar it is allowed only where the grammar may end.
+    """
+    if engine_stop_token_ids is None or isinstance(engine_stop_token_ids, int):
+        engine_stop_token_ids = [] if engine_stop_token_ids is None else [engine_stop_token_ids]
+    ids = {int(t) for t in engine_stop_token_ids if t is not None}
+    eos = getattr(tokenizer, 'eos_token_id', None)
+    if eos is not None:
+        ids.add(int(eos))
+    return sorted(t for t in ids if 0 <= t < vocab_size)
 
 
 def _timeout_from_env() -> float:

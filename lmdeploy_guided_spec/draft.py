@@ -255,7 +255,8 @@ class DraftGrammar:
         if not empty.any():
             return live
         for row in np.asarray(live)[empty].tolist():
-            self.masks[row, position] = ALL_ALLOWED
+            # through numpy: the buffer may be an inference tensor of the engine thread (see step.stop_only)
+            self.masks.numpy()[row, position] = ALL_ALLOWED
             self.dead.add(row)
         return [row for row, gone in zip(live, empty.tolist()) if not gone]
 

@@ -362,9 +362,12 @@ class FsmMatcher:
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
         """Write the allowed tokens into row ``index`` of an int32 CPU bitmask; returns True (the mask applies)."""
         row = self.fsm.allowed_words(self.state, self.terminated)
-        bitmask[index, :row.shape[0]] = torch.from_numpy(row.view(np.int32))
+        # through numpy, as xgrammar writes: the engine may have allocated the buffer as an inference tensor, which
+        # torch lets the grammar worker's thread not write
+        words = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
+        words[index, :row.shape[0]] = row.view(np.int32)
         # a bitmask of a wider vocabulary (the tokenizer's, past the model's): no token past the FSM's exists
-        bitmask[index, row.shape[0]:] = 0
+        words[index, row.shape[0]:] = 0
         return True
 
     def is_terminated(self) -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask, apply_bitmask_
+from .bitmask import allocate_bitmask, apply_bitmask_, keep_grammar_tokens_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
 from .forced import ForcedTokenizer, JumpForwardMemo, forced_drafts_from_env
 from .guess import GuessDrafts
@@ -200,11 +200,7 @@ class SpecGrammarManager:
         from :meth:`next_token_bitmask` (``num_positions=1``) or :meth:`verification_bitmask`
         (``num_positions=k+1``); None leaves the logits untouched.
 
-        ``banned``: processors that ran before may have set tokens to ``-inf`` (bad words; stop tokens of a request
-        with ``ignore_eos`` or short of ``min_new_tokens``; lmdeploy's n-gram stop). Where they and the grammar leave
-        a row no token, the grammar wins: the row takes the grammar's tokens, all alike (the stop token at the end
-        of a grammar). Sampling a row without a finite logit fails the whole batch. Costs a few passes over the
-        logits, without a device synchronization; only with ``banned``.
+        ``banned``: processors that ran before may have set tokens to ``-inf``; see :meth:`keep_grammar_tokens_`.
         """
         if bitmask is None or not matchers:
             return logits
@@ -214,12 +210,28 @@ class SpecGrammarManager:
             rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
             masked = apply_bitmask_(logits, bitmask, rows=rows)
         if banned:
-            grammar_only = torch.zeros_like(masked)
-            grammar_only = (bitmask.apply_(grammar_only) if isinstance(bitmask, SparseRows) else
-                            apply_bitmask_(grammar_only, bitmask, rows=rows))
-            emptied = masked.amax(-1, keepdim=True) == float('-inf')
-            masked.copy_(torch.where(emptied, grammar_only, masked))
+            self.keep_grammar_tokens_(masked, bitmask, matchers, num_positions)
         return masked
+
+    def keep_grammar_tokens_(self, logits: torch.Tensor, bitmask: torch.Tensor | None, matchers: Matchers,
+                             num_positions: int = 1) -> torch.Tensor:
+        """Rows of ``logits`` (masked with ``bitmask`` before or after other processors) that have no finite value
+        left take the grammar's tokens, all alike; in place.
+
+        Processors may set tokens to ``-inf``: bad words, the stop tokens of a request with ``ignore_eos`` or short
+        of ``min_new_tokens``, lmdeploy's n-gram stop (everything but a stop token). Where they and the grammar leave
+        a row nothing, the grammar wins (the stop token at the end of a grammar, for ``ignore_eos``): sampling a row
+        without a finite logit fails the whole batch. A few passes over the logits, no device synchronization; call
+        it only where a processor may have banned tokens.
+        """
+        if bitmask is None or not matchers:
+            return logits
+        if isinstance(bitmask, SparseRows):
+            grammar_only = bitmask.apply_(torch.zeros_like(logits))
+            emptied = logits.amax(-1, keepdim=True) == float('-inf')
+            return logits.copy_(torch.where(emptied, grammar_only, logits))
+        rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
+        return keep_grammar_tokens_(logits, bitmask, rows=rows)
 
     # -- commit -----------------------------------------------------------------------------------------------
     def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,

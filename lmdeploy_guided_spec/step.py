@@ -123,7 +123,9 @@ def stop_only(bitmask: torch.Tensor, rows, matcher, vocab_size: int) -> None:
     words = np.zeros(bitmask.shape[-1], dtype=np.uint32)
     for token in stops:
         words[token >> 5] |= np.uint32(1 << (token & 31))
-    bitmask[rows] = torch.from_numpy(words.view(np.int32))
+    # through numpy: the engine may have allocated the buffer as an inference tensor, which torch lets no other
+    # thread write outside inference mode (xgrammar's fills write it the same way, below torch)
+    bitmask.numpy()[rows] = words.view(np.int32)
 
 
 def _settle_empty(bitmask: torch.Tensor, row: int, vocab_size: int) -> bool:
@@ -134,7 +136,7 @@ def _settle_empty(bitmask: torch.Tensor, row: int, vocab_size: int) -> bool:
     """
     if not no_token_allowed(bitmask, vocab_size, (row, ))[0]:
         return False
-    bitmask[row] = ALL_ALLOWED
+    bitmask.numpy()[row] = ALL_ALLOWED  # through numpy: see stop_only
     return True
 
 

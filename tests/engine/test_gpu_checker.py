@@ -34,7 +34,7 @@ def checker():
     model = tiny_models.build_llama_target()
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     config = AutoConfig.from_pretrained(str(model))
-    manager = GuidedDecodingManager(tokenizer, config.vocab_size)
+    manager = GuidedDecodingManager(tokenizer, config.vocab_size, config.eos_token_id)
     manager.processors = {}
     eos = config.eos_token_id
     return dict(manager=manager, tokenizer=tokenizer, eos={eos} if isinstance(eos, int) else set(eos), session=[0])

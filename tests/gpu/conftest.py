@@ -149,7 +149,9 @@ class GrammarChecker:
         from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
         from transformers import AutoConfig, AutoTokenizer
         cfg = AutoConfig.from_pretrained(str(model_dir))
-        self.manager = GuidedDecodingManager(AutoTokenizer.from_pretrained(str(model_dir)), cfg.vocab_size)
+        # the engine's stop tokens, as the engine builds it (a stop token inside a string is then a failure)
+        self.manager = GuidedDecodingManager(AutoTokenizer.from_pretrained(str(model_dir)), cfg.vocab_size,
+                                             cfg.eos_token_id)
         # the manager keeps its matchers in a class attribute shared with any engine in this process
         self.manager.processors = {}
         eos = cfg.eos_token_id

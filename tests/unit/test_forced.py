@@ -347,7 +347,7 @@ def test_a_long_forced_literal_is_read_once_not_at_every_position(llama3, method
         counter = _JumpCounter(monkeypatch)
         committed = xgr.GrammarMatcher(compiled)
         drafts = []
-        for step in range(8):
+        for _ in range(8):
             if method == 'propose':
                 tokens = manager.propose({0: committed}, 1, 3, session_ids=[5])[0].tolist()
             else:

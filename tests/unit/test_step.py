@@ -355,13 +355,14 @@ def test_fork_independence_with_xgrammar(llama3, new_matcher):
 DEAD_END_REGEX = 'a[^\\s\\S]|b'
 
 
-@pytest.mark.parametrize('path', ['manager', 'window', 'window_sparse', 'verification'])
+@pytest.mark.parametrize('path', ['manager', 'window', 'window_sparse', 'window_engine', 'verification'])
 def test_a_state_that_allows_no_token_gets_finite_logits_and_fails_its_request(llama3, path, new_matcher):
     vocab = _vocab(llama3)
     compiled = testing.grammar_compiler(llama3).compile_regex(DEAD_END_REGEX)
     a = _path(llama3, 'a')[0]
     assert not grammar_is_empty(compiled)
-    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
+    # window_engine: as in the engine, the window is made in inference mode and the worker is a thread of its own
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=path != 'window_engine'), pin_memory=False,
                                  sparse_masks=path == 'window_sparse')
     dead_end = new_matcher(compiled)
     assert dead_end.accept_token(a) and not testing.allowed_tokens(dead_end, vocab).any()
@@ -378,7 +379,8 @@ def test_a_state_that_allows_no_token_gets_finite_logits_and_fails_its_request(l
         allowed = unpack_bitmask(bitmask, vocab)
         assert allowed[0].sum() < vocab and allowed[1:].all()
     else:
-        window = manager.begin_draft({0: fresh, 1: dead_end}, 2, 3, session_ids=[1, 2])
+        with torch.inference_mode(path == 'window_engine'):
+            window = manager.begin_draft({0: fresh, 1: dead_end}, 2, 3, session_ids=[1, 2])
         for position in range(3):
             logits = torch.randn(2, vocab)
             window.mask_logits_(logits)
@@ -395,7 +397,7 @@ def test_a_state_that_allows_no_token_gets_finite_logits_and_fails_its_request(l
     assert fresh.accept_token(a) and not fresh.is_terminated()  # the committed matcher did not move before
 
 
-@pytest.mark.parametrize('path', ['next_token', 'verification', 'window', 'window_sparse'])
+@pytest.mark.parametrize('path', ['next_token', 'verification', 'window', 'window_sparse', 'window_engine'])
 def test_a_request_that_goes_on_after_its_grammar_ended_writes_only_stop_tokens(llama3, path, new_matcher):
     """ignore_eos (or min_new_tokens not reached) keeps a request going after its grammar ended: its rows allow its
     stop tokens only, never every token (which let the text run on past the JSON, unconstrained)."""
@@ -407,14 +409,15 @@ def test_a_request_that_goes_on_after_its_grammar_ended_writes_only_stop_tokens(
     ended.accept_token(tok.eos_token_id)
     other = new_matcher(compiled)
     matchers = {0: other, 1: ended}
-    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
+    manager = SpecGrammarManager(vocab, worker=GrammarWorker(inline=path != 'window_engine'), pin_memory=False,
                                  sparse_masks=path == 'window_sparse')
     if path == 'next_token':
         positions, bitmask = 1, manager.next_token_bitmask(matchers, 2)
     else:
         positions = 4
         if path != 'verification':
-            window = manager.begin_draft(matchers, 2, 3, session_ids=[1, 2])
+            with torch.inference_mode(path == 'window_engine'):
+                window = manager.begin_draft(matchers, 2, 3, session_ids=[1, 2])
             for _ in range(3):
                 window.advance([full[0], tok.eos_token_id])
         bitmask = manager.verification_bitmask(matchers, [full[:3], [tok.eos_token_id] * 3], [1, 2])
@@ -437,7 +440,6 @@ def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llam
     but a stop token in the middle of one. With ``banned`` the emptied rows take the grammar's tokens; the rest are
     masked as always, and without ``banned`` nothing changes (the caller says when processors may have banned)."""
     vocab = _vocab(llama3)
-    tok = testing.load_tokenizer(llama3)
     compiled = compile_schema(llama3, SCHEMAS['person'])
     full = _path(llama3, dumps(INSTANCES['person'][0]))
     at_end = _state_after(new_matcher, compiled, full)
@@ -466,3 +468,5 @@ def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llam
     assert (out[0][torch.isfinite(out[0])] == 0).all() and (out[1][torch.isfinite(out[1])] == 0).all()
     assert torch.equal(out[2], plain[2]) and torch.isfinite(out[2]).any()
     assert torch.equal(out[3], before[3])  # the unguided row
+    # lmdeploy 0.14's order: the grammar's mask first, the processors after it, then the rows are kept
+    assert torch.equal(manager.keep_grammar_tokens_(plain.clone(), bitmask, matchers), out)
