@@ -104,7 +104,8 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
     # regexes runs into the dead end, greedy or sampled
     dead_ends = 0
     for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a'):
-        for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        # sampled: a dead end about half the time each (the engine died at the first one)
+        for temperature, seed in ((0.0, None), *((1.0, seed) for seed in range(1, 7))):
             fmt = {'type': 'regex_schema', 'regex_schema': regex}
             try:
                 choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
@@ -115,7 +116,7 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
             else:
                 assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
             assert proc.poll() is None, log.read_text()[-4000:]
-    assert dead_ends >= 2
+    assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
     schema = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': {
         'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}}}
     ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
