@@ -114,7 +114,12 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
                 assert 'allows no token at all' in str(err), err
                 dead_ends += 1
             else:
-                assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
+                if choice.finish_reason == 'error':
+                    # lmdeploy 0.14.0's api_server answers a request the engine failed with its reason as the text
+                    assert 'allows no token at all' in choice.message.content, choice
+                    dead_ends += 1
+                else:
+                    assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
             assert proc.poll() is None, log.read_text()[-4000:]
     assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
     schema = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': {
