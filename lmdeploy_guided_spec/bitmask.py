@@ -15,7 +15,8 @@ from .ordering import to_device
 
 __all__ = [
     'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'take_rows',
-    'uint32_words', 'no_token_allowed', 'token_allowed', 'keep_grammar_tokens_', 'ALL_ALLOWED'
+    'uint32_words', 'no_token_allowed', 'token_allowed', 'keep_grammar_tokens_', 'take_where_empty_',
+    'ALL_ALLOWED'
 ]
 
 #: The value of a bitmask word that allows all 32 of its tokens.
@@ -199,6 +200,11 @@ def keep_grammar_tokens_(logits: torch.Tensor, bitmask: torch.Tensor, *,
     Three passes over the logits and no device synchronization: call it only where a processor may have banned
     tokens.
     """
-    grammar_only = apply_bitmask_(torch.zeros_like(logits), bitmask, rows=rows)
+    return take_where_empty_(logits, apply_bitmask_(torch.zeros_like(logits), bitmask, rows=rows))
+
+
+def take_where_empty_(logits: torch.Tensor, grammar_only: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits`` without a finite value take the rows of ``grammar_only`` (zeros where the grammar allows
+    a token, ``-inf`` elsewhere); in place, without a device synchronization."""
     emptied = logits.amax(-1, keepdim=True) == float('-inf')
     return logits.copy_(torch.where(emptied, grammar_only, logits))

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import xgrammar as xgr
 
-from .bitmask import allocate_bitmask, apply_bitmask_, keep_grammar_tokens_
+from .bitmask import allocate_bitmask, apply_bitmask_, keep_grammar_tokens_, take_where_empty_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
 from .forced import ForcedTokenizer, JumpForwardMemo, forced_drafts_from_env
 from .guess import GuessDrafts
@@ -50,6 +50,11 @@ __all__ = ['SpecGrammarManager']
 logger = logging.getLogger('lmdeploy_guided_spec')
 
 Matchers = Mapping[int, xgr.GrammarMatcher]
+
+
+def _guided_rows(matchers: Matchers, num_positions: int) -> list[int]:
+    """The logits rows of the guided requests, ``num_positions`` per batch row."""
+    return [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:
@@ -207,8 +212,7 @@ class SpecGrammarManager:
         if isinstance(bitmask, SparseRows):
             masked = bitmask.apply_(logits)
         else:
-            rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
-            masked = apply_bitmask_(logits, bitmask, rows=rows)
+            masked = apply_bitmask_(logits, bitmask, rows=_guided_rows(matchers, num_positions))
         if banned:
             self.keep_grammar_tokens_(masked, bitmask, matchers, num_positions)
         return masked
@@ -227,11 +231,8 @@ class SpecGrammarManager:
         if bitmask is None or not matchers:
             return logits
         if isinstance(bitmask, SparseRows):
-            grammar_only = bitmask.apply_(torch.zeros_like(logits))
-            emptied = logits.amax(-1, keepdim=True) == float('-inf')
-            return logits.copy_(torch.where(emptied, grammar_only, logits))
-        rows = [row * num_positions + i for row in sorted(matchers) for i in range(num_positions)]
-        return keep_grammar_tokens_(logits, bitmask, rows=rows)
+            return take_where_empty_(logits, bitmask.apply_(torch.zeros_like(logits)))
+        return keep_grammar_tokens_(logits, bitmask, rows=_guided_rows(matchers, num_positions))
 
     # -- commit -----------------------------------------------------------------------------------------------
     def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
