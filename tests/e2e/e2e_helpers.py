@@ -34,6 +34,8 @@ PERSON = {
 }
 # fixed length: a random model finishes it, and the grammar forces the dash
 CODE_REGEX = r'[A-Z]{2}-[0-9]{3}'
+#: tiny-llama's stop tokens as text (its Llama-3.2 tokenizer marks only <|end_of_text|> special)
+STOP_TEXTS = ('<|end_of_text|>', '<|eom_id|>', '<|eot_id|>')
 
 
 def response_format(kind: str, schema: dict | None = None, regex: str | None = None) -> dict | None:

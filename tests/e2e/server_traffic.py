@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Callable
 
 import openai
-from e2e_helpers import check_valid, response_format
+import pytest
+from e2e_helpers import STOP_TEXTS, check_valid, response_format
 
 KINDS = ('json_schema', 'json_object', 'regex_schema', 'text')
+#: What the engine says of a request whose grammar met a state that allows no token.
+DEAD_END = 'allows no token at all'
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -83,6 +87,65 @@ async def one(base: str, kind: str):
     api = client(base)
     model = (await api.models.list()).data[0].id
     return await request(api, model, 7, kind, sampling=False, streaming=False)
+
+
+def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
+    """Requests that stopped the engine (a sampled row without a finite logit) or failed with HTTP 500, one after
+    another: a grammar that allows no token at all is refused at entry; one that runs into a dead end fails its own
+    request (greedy, and sampled under six seeds); ignore_eos, min_new_tokens and the n-gram stop leave the grammar its
+    tokens, and the text is what the grammar accepts. ``alive()`` asserts the server is up, after every request.
+    Returns the number of requests that met a dead end."""
+    api = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = api.models.list().data[0].id
+    messages = [{'role': 'user', 'content': 'A record, please.'}]
+    nothing = {'type': 'regex_schema', 'regex_schema': '[^\\s\\S]'}
+    with pytest.raises(openai.BadRequestError, match='admits no instance'):
+        api.chat.completions.create(model=model, messages=messages, response_format=nothing, max_tokens=8)
+    # 'a' and 'b' are allowed first; after one of them nothing is: whichever the model picks, one of the two
+    # regexes runs into the dead end, greedy or sampled
+    dead_ends = 0
+    for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a'):
+        # sampled: a dead end about half the time each (the engine died at the first one)
+        for temperature, seed in ((0.0, None), *((1.0, seed) for seed in range(1, 7))):
+            fmt = {'type': 'regex_schema', 'regex_schema': regex}
+            try:
+                choice = api.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                     max_tokens=8, temperature=temperature, seed=seed).choices[0]
+            except openai.APIStatusError as err:
+                assert DEAD_END in str(err), err
+                dead_ends += 1
+            else:
+                if choice.finish_reason == 'error':
+                    # lmdeploy 0.14.0's api_server answers a request the engine failed with its reason as the text
+                    assert DEAD_END in choice.message.content, choice
+                    dead_ends += 1
+                else:
+                    assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
+            alive()
+    assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
+    schema = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': {
+        'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}}}
+    ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
+    cases = [(ab, dict(ignore_eos=True)), (ab, dict(min_new_tokens=10)),
+             ({'type': 'json_object'}, dict(ignore_eos=True)),
+             (schema, dict(repetition_ngram_size=2, repetition_ngram_threshold=1))]
+    for fmt, extra in cases:
+        for temperature in (0.0, 0.8):
+            choice = api.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                 max_tokens=24, temperature=temperature, seed=3,
+                                                 extra_body=extra).choices[0]
+            assert choice.finish_reason in ('stop', 'length'), (extra, choice)
+            if fmt is ab:
+                # after the grammar's end only stop tokens (ignore_eos runs to max_tokens); the test tokenizer does not
+                # mark <|eot_id|> and <|eom_id|> special, so the text shows them
+                text = choice.message.content
+                for stop in STOP_TEXTS:
+                    text = text.replace(stop, '')
+                check_valid(text, fmt)
+            elif choice.finish_reason == 'stop':
+                check_valid(choice.message.content, fmt)
+            alive()
+    return dead_ends
 
 
 def health(base: str) -> int:

@@ -13,6 +13,7 @@ from e2e_helpers import (
     METHODS,
     PERSON,
     PROMPTS,
+    STOP_TEXTS,
     Output,
     check_valid,
     draft_free_pipeline,
@@ -219,10 +220,6 @@ def test_unenforced_keywords_strict_fails_otherwise_a_warning(engines):
     warnings = [r.getMessage() for r in records
                 if r.levelno == logging.WARNING and 'does not enforce' in r.getMessage()]
     assert len(warnings) == 1 and 'not at #/properties/age' in warnings[0], warnings
-
-
-#: tiny-llama's stop tokens as text (its Llama-3.2 tokenizer marks only <|end_of_text|> special)
-STOP_TEXTS = ('<|end_of_text|>', '<|eom_id|>', '<|eot_id|>')
 
 
 @pytest.mark.parametrize('method', ['eagle3', 'grammar'])

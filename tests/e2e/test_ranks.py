@@ -84,11 +84,13 @@ def _configs():
     return [gen_config(response_format('json_schema', schema=schema), max_new_tokens=64) for schema, _ in CASES]
 
 
-def _check_drafts_agree(directory) -> int:
+def _check_drafts_agree(directory, failing: str | None = None) -> int:
     """Every rank verified the same drafts at every step; a rank that drafted itself drafted exactly those; no rank
     logged a grammar error (the requests are valid: a grammar that rejects a committed token on any rank is out of
-    step with rank 0's). Returns the number of speculative steps."""
-    assert ranks.read_error_logs(directory) == []
+    step with rank 0's) other than those that say ``failing`` (requests meant to fail). Returns the number of
+    speculative steps."""
+    errors = ranks.read_error_logs(directory)
+    assert [e for e in errors if failing is None or failing not in e] == [], errors
     logs = ranks.read_draft_logs(directory)
     assert sorted(logs) == [0, 1], f'draft logs of ranks {sorted(logs)}'
     verified = {r: [rec['drafts'] for rec in recs if rec['kind'] == 'verify'] for r, recs in logs.items()}
@@ -322,9 +324,10 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
 def test_tp2_server_traffic(cpu_path, tmp_path):
     """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` (both ranks draft; rank 1 follows rank 0's sampled
     tokens) and the openai client: concurrent greedy and sampling requests of every format, streaming and not, then
-    clients that disconnect mid-stream beside requests that run to their end. The server stays up and answers
-    ``/health``, guided output validates, both ranks verify the same drafts at every step and no rank's grammar
-    rejects a committed token."""
+    clients that disconnect mid-stream beside requests that run to their end, then requests whose grammar meets a
+    dead end or tokens that ignore_eos, min_new_tokens and the n-gram stop ban, beside a mixed round. The server stays
+    up and answers ``/health``, guided output validates, both ranks verify the same drafts at every step and no
+    rank's grammar rejects a committed token other than the dead ends' (those fail their own requests)."""
     log, drafts = tmp_path / 'server.log', tmp_path / 'drafts'
     drafts.mkdir()
     args = ['--tp', '2', '--distributed-executor-backend', 'mp', '--speculative-algorithm', 'deepseek_mtp',
@@ -347,8 +350,25 @@ def test_tp2_server_traffic(cpu_path, tmp_path):
         check_valid(text, fmt)
         print(f'[tp=2 server] 16 mixed requests, 6 dropped streams beside 6 whole ones: '
               f'{time.perf_counter() - start:.1f} s')
+
+        def alive():
+            assert proc.poll() is None, log.read_text()[-4000:]
+
+        async def beside():
+            # the dead ends and banned tokens run one after another while a mixed round shares their batches
+            return await asyncio.gather(asyncio.to_thread(traffic.dead_ends_and_banned_tokens, base, alive),
+                                        traffic.mixed_round(base, 1, 8))
+
+        start = time.perf_counter()
+        dead_ends, mixed = asyncio.run(beside())
+        traffic.check_round(mixed)
+        alive()
+        assert traffic.health(base) == 200
+        print(f'[tp=2 server] {dead_ends} dead ends and the banned-token requests beside 8 mixed ones: '
+              f'{time.perf_counter() - start:.1f} s')
         # read while the server is up and idle: stopping it ends the rank processes wherever they are
-        print(f'[tp=2 server] {_check_drafts_agree(drafts)} speculative steps, drafts identical on both ranks')
+        steps = _check_drafts_agree(drafts, failing=traffic.DEAD_END)
+        print(f'[tp=2 server] {steps} speculative steps, drafts identical on both ranks')
     finally:
         stop_server(proc)
 
