@@ -35,6 +35,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from . import regular
 from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
 
 __all__ = [
@@ -101,7 +102,9 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, optio
     if kind == 'json_schema':
         return compiler.compile_json_schema(source, **options)
     if kind == 'regex':
-        return compiler.compile_regex(source)
+        # as a deterministic grammar where it can be: xgrammar's own rules of a regex with nested quantifiers cost
+        # more per token the longer the output (regular.py)
+        return regular.compile_regex(compiler, source)
     if kind == 'builtin_json':
         return compiler.compile_builtin_json_grammar()
     return compiler.compile_grammar(source, **options)

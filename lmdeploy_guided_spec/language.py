@@ -229,7 +229,8 @@ def _refs(node) -> set[str]:
     return set()
 
 
-def _rules(text: str) -> dict[str, object]:
+def _rules(text: str, parser: type = _Parser) -> dict[str, object]:
+    """The rules of a grammar's text by name, each body read by ``parser``."""
     rules = {}
     for line in text.splitlines():
         if not line.strip():
@@ -237,7 +238,7 @@ def _rules(text: str) -> dict[str, object]:
         name, sep, body = line.partition('::=')
         if not sep or not _IDENT.fullmatch(name.strip()):
             raise _Unsupported(f'not a rule: {line[:40]!r}')
-        rules[name.strip()] = _Parser(body).parse()
+        rules[name.strip()] = parser(body).parse()
     return rules
 
 

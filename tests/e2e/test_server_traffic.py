@@ -101,3 +101,4 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
     fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))
     assert reason == 'stop'
     check_valid(text, fmt)
+

@@ -1,0 +1,383 @@
+"""A ``regex_schema`` compiled as a deterministic grammar, so that one request's regex cannot stall the engine.
+
+xgrammar turns a regex into rules of its grammar (``xgr.Grammar.from_regex``) and matches them with its parser. For
+a regex with nested or adjacent quantifiers the rules are ambiguous, and the parser's work per token grows with the
+tokens already accepted: ``(a*b*)*c`` costs 20 ms per mask after 150 tokens, ``([a-zA-Z0-9]+\\s?)*`` over plain words
+0.1 s, a common URL regex (``([\\/\\w \\.-]*)*``) 5 s after 12 tokens, and ``((a*)*)*b`` minutes. The engine fills
+the masks of all guided rows on one worker each step, so every request waits for the slowest grammar. (xgrammar's
+own regex automaton, ``Regex("...")`` in a grammar, is fast but not language-preserving in 0.2.8: it accepts "01"
+for ``(0|1\\d*)(x\\d+)?``.)
+
+Here the rules xgrammar makes of the regex (its dialect: what ``\\s``, ``.`` and escapes mean) become a
+nondeterministic automaton over code-point ranges, then a minimal deterministic one, printed as a grammar with one
+rule per state (``s3 ::= "" | [0-9] s3 | [.] s4``). Such a grammar is unambiguous and its parser keeps one state per
+position: the cost of a mask stays flat however long the output. The language is the one ``from_regex`` gives
+(masks and forced strings are equal token by token; ``tests/unit/test_regular.py``).
+
+A regex without a loop (no ``*``, ``+`` or ``{n,}``: its parse state stays bounded), a regex whose rules this module
+does not read (a lookahead, a class that matches nothing), and one whose automaton would be large (counted repetitions
+such as ``[a-z]{1,500}``, or a deterministic blow-up such as ``(a|b)*a(a|b){20}``) are compiled by xgrammar as
+before.
+"""
+from __future__ import annotations
+
+import functools
+
+import xgrammar as xgr
+
+from .language import _IDENT, _REPEAT, MAX_CODE_POINT, _class_char, _Parser, _rules, _skip_quoted, _Unsupported
+
+__all__ = ['deterministic_grammar', 'compile_regex', 'MAX_NFA_STATES', 'MAX_DFA_STATES']
+
+#: Largest automaton built before giving the regex to xgrammar as it is (counted repetitions multiply states).
+MAX_NFA_STATES = 20000
+#: Largest deterministic automaton printed as a grammar; larger ones are left to xgrammar (its compile computes
+#: token masks for every rule, so a grammar of many states compiles slowly).
+MAX_DFA_STATES = 256
+
+# expression nodes: ('chars', ranges) with ranges a tuple of (low, high) code points; ('seq', [nodes]);
+# ('alt', [nodes]); ('ref', name); ('rep', node, low, high) with high -1 for no bound
+
+
+class _Rules(_Parser):
+    """Parser of the rules xgrammar prints for a regex, keeping what each terminal matches (the emptiness analysis'
+    parser keeps only whether it matches anything)."""
+
+    def seq(self):
+        items = []
+        while self._peek() not in ('', '|', ')'):
+            items.append(self.postfix())
+        return items[0] if len(items) == 1 else ('seq', items)
+
+    def postfix(self):
+        node = self.atom()
+        while True:
+            ch = self._peek()
+            if ch == '*':
+                node = ('rep', node, 0, -1)
+            elif ch == '+':
+                node = ('rep', node, 1, -1)
+            elif ch == '?':
+                node = ('rep', node, 0, 1)
+            elif ch == '{':
+                match = _REPEAT.match(self.text, self.i)
+                if match is None:
+                    raise _Unsupported('repetition')
+                low = int(match.group(1))
+                high = low if match.group(2) is None else int(match.group(2))
+                if high != -1 and high < low:
+                    raise _Unsupported('repetition')
+                node = ('rep', node, low, high)
+                self.i = match.end()
+                continue
+            else:
+                return node
+            self.i += 1
+
+    def atom(self):
+        ch = self._peek()
+        if ch == '"':
+            start = self.i
+            self.i = _skip_quoted(self.text, self.i, '"')
+            body, chars, j = self.text[start + 1:self.i - 1], [], 0
+            while j < len(body):
+                code, j = _class_char(body, j)
+                chars.append(('chars', ((code, code), )))
+            return chars[0] if len(chars) == 1 else ('seq', chars)
+        if ch == '[':
+            start = self.i
+            self.i = _skip_quoted(self.text, self.i, ']')
+            return ('chars', _class_ranges(self.text[start + 1:self.i - 1]))
+        if ch == '(':
+            if self.text.startswith('(=', self.i):
+                raise _Unsupported('lookahead')
+            self.i += 1
+            node = self.alt()
+            if self._peek() != ')':
+                raise _Unsupported('unbalanced parenthesis')
+            self.i += 1
+            return node
+        match = _IDENT.match(self.text, self.i)
+        if match is None or self.text.startswith('(', match.end()):
+            # not a rule name, or a built-in terminal such as Regex(...)
+            raise _Unsupported(f'unexpected {self.text[self.i:self.i + 10]!r}')
+        self.i = match.end()
+        return ('ref', match.group(0))
+
+
+def _class_ranges(body: str) -> tuple:
+    """The code-point ranges, sorted and disjoint, that the class with contents ``body`` matches."""
+    negated = body.startswith('^')
+    if negated:
+        body = body[1:]
+    ranges, i = [], 0
+    while i < len(body):
+        low, i = _class_char(body, i)
+        high = low
+        if i + 1 < len(body) and body[i] == '-':
+            high, i = _class_char(body, i + 1)
+        if low <= high:
+            ranges.append((low, high))
+    merged = []
+    for low, high in sorted(ranges):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+        else:
+            merged.append((low, high))
+    if not negated:
+        return tuple(merged)
+    complement, start = [], 0
+    for low, high in merged:
+        if low > start:
+            complement.append((start, low - 1))
+        start = high + 1
+    if start <= MAX_CODE_POINT:
+        complement.append((start, MAX_CODE_POINT))
+    return tuple(complement)
+
+
+class _NFA:
+    """A nondeterministic automaton built right to left: :meth:`build` takes the state a node's strings lead to and
+    returns the state they start from. A rule referred to in tail position of itself (how xgrammar writes ``*`` and
+    ``+``) becomes a loop; any other recursion is not regular here and is refused."""
+
+    def __init__(self, rules: dict):
+        self.rules = rules
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple]] = []  # (ranges, target)
+        self._entries: dict = {}  # (rule, continuation) -> start state
+        self._building: set = set()
+        #: Loops built (``*``, ``+``, a rule that refers to itself): a regex without any is left to xgrammar
+        self.loops = 0
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise _Unsupported(f'more than {MAX_NFA_STATES} automaton states')
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def build(self, node, then: int) -> int:
+        kind = node[0]
+        if kind == 'chars':
+            if not node[1]:
+                # a class that matches nothing ([^\\s\\S]): xgrammar's grammar keeps the dead end, and the engine
+                # fails the request that runs into it with the reason (the automaton would drop the branch)
+                raise _Unsupported('a character class that matches nothing')
+            start = self.state()
+            self.edges[start].append((node[1], then))
+            return start
+        if kind == 'seq':
+            for item in reversed(node[1]):
+                then = self.build(item, then)
+            return then
+        if kind == 'alt':
+            start = self.state()
+            self.eps[start].extend(self.build(option, then) for option in node[1])
+            return start
+        if kind == 'rep':
+            _, body, low, high = node
+            if high == -1:
+                self.loops += 1
+                loop = self.state()
+                self.eps[loop].extend((then, self.build(body, loop)))
+                start = loop
+            else:
+                start = then
+                for _ in range(high - low):
+                    optional = self.state()
+                    self.eps[optional].extend((then, self.build(body, start)))
+                    start = optional
+            for _ in range(low):
+                start = self.build(body, start)
+            return start
+        if kind == 'ref':
+            name = node[1]
+            key = (name, then)
+            if key in self._entries:
+                self.loops += name in self._building
+                return self._entries[key]
+            if name in self._building or name not in self.rules:
+                raise _Unsupported(f'rule {name} is recursive other than in tail position, or undefined')
+            entry = self.state()
+            self._entries[key] = entry
+            self._building.add(name)
+            try:
+                self.eps[entry].append(self.build(self.rules[name], then))
+            finally:
+                self._building.discard(name)
+            return entry
+        raise AssertionError(kind)
+
+    def closure(self, states) -> frozenset:
+        seen, stack = set(states), list(states)
+        while stack:
+            for nxt in self.eps[stack.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return frozenset(seen)
+
+
+def _split(edges) -> list[tuple[int, int, frozenset]]:
+    """Disjoint ranges, each with the targets of the edges that match it, from ``(ranges, target)`` edges."""
+    points = set()
+    for ranges, _ in edges:
+        for low, high in ranges:
+            points.add(low)
+            points.add(high + 1)
+    bounds = sorted(points)
+    out = []
+    for low, nxt in zip(bounds, bounds[1:]):
+        targets = frozenset(t for ranges, t in edges if any(lo <= low <= hi for lo, hi in ranges))
+        if targets:
+            out.append((low, nxt - 1, targets))
+    return out
+
+
+def _determinize(nfa: _NFA, start: int, final: int):
+    """Subset construction: ``(accepting, transitions)`` per state (state 0 the start), transitions a list of
+    ``(low, high, target)``."""
+    first = nfa.closure([start])
+    index = {first: 0}
+    sets, accepting, transitions = [first], [], []
+    while len(transitions) < len(sets):
+        current = sets[len(transitions)]
+        accepting.append(final in current)
+        edges = [edge for s in current for edge in nfa.edges[s]]
+        moves = []
+        for low, high, targets in _split(edges):
+            target = nfa.closure(targets)
+            if target not in index:
+                if len(sets) >= MAX_DFA_STATES * 4:
+                    raise _Unsupported(f'more than {MAX_DFA_STATES * 4} deterministic states before minimizing')
+                index[target] = len(sets)
+                sets.append(target)
+            moves.append((low, high, index[target]))
+        transitions.append(moves)
+    return accepting, transitions
+
+
+def _merge(moves) -> tuple:
+    """Adjacent ranges with the same target joined, sorted by code point."""
+    out = []
+    for low, high, target in sorted(moves):
+        if out and out[-1][2] == target and out[-1][1] + 1 == low:
+            out[-1] = (out[-1][0], high, target)
+        else:
+            out.append((low, high, target))
+    return tuple(out)
+
+
+def _minimize(accepting, transitions):
+    """States that cannot reach an accepting state dropped, the rest merged into classes of equal futures (Moore's
+    refinement). Returns ``(accepting, transitions)`` of the minimal automaton, start state 0, or None for an empty
+    language."""
+    n = len(accepting)
+    # co-reachable: states from which some accepting state can be reached
+    reverse = [[] for _ in range(n)]
+    for s, moves in enumerate(transitions):
+        for _, _, t in moves:
+            reverse[t].append(s)
+    alive = {s for s in range(n) if accepting[s]}
+    stack = list(alive)
+    while stack:
+        for s in reverse[stack.pop()]:
+            if s not in alive:
+                alive.add(s)
+                stack.append(s)
+    if 0 not in alive:
+        return None
+    moves = {s: [(lo, hi, t) for lo, hi, t in transitions[s] if t in alive] for s in alive}
+    block = {s: int(accepting[s]) for s in alive}
+    while True:
+        signatures = {s: (block[s], _merge((lo, hi, block[t]) for lo, hi, t in moves[s])) for s in alive}
+        numbering: dict = {}
+        refined = {s: numbering.setdefault(signatures[s], len(numbering)) for s in sorted(alive)}
+        if len(numbering) == len(set(block.values())):
+            block = refined
+            break
+        block = refined
+    # renumber so that the start state's class is 0, in order of first visit
+    order = {block[0]: 0}
+    stack = [0]
+    representative = {block[0]: 0}
+    while stack:
+        s = stack.pop()
+        for _, _, t in moves[s]:
+            if block[t] not in order:
+                order[block[t]] = len(order)
+                representative[block[t]] = t
+                stack.append(t)
+    out_accepting = [False] * len(order)
+    out_transitions = [()] * len(order)
+    for b, s in representative.items():
+        i = order[b]
+        out_accepting[i] = accepting[s]
+        out_transitions[i] = _merge((lo, hi, order[block[t]]) for lo, hi, t in moves[s])
+    return out_accepting, out_transitions
+
+
+def _char(code: int) -> str:
+    if 0x30 <= code <= 0x39 or 0x41 <= code <= 0x5a or 0x61 <= code <= 0x7a:
+        return chr(code)
+    # \x reads as many hex digits as follow; \u takes four, \U eight
+    if code < 0x10000:
+        return f'\\u{code:04x}'
+    return f'\\U{code:08x}'
+
+
+def _class(ranges) -> str:
+    return '[' + ''.join(_char(lo) if lo == hi else f'{_char(lo)}-{_char(hi)}' for lo, hi in ranges) + ']'
+
+
+def _print(accepting, transitions) -> str:
+    names = ['root'] + [f's{i}' for i in range(1, len(accepting))]
+    lines = []
+    for i, moves in enumerate(transitions):
+        by_target: dict = {}
+        for lo, hi, t in moves:
+            by_target.setdefault(t, []).append((lo, hi))
+        options = (['""'] if accepting[i] else []) + [f'({_class(r)} {names[t]})' for t, r in by_target.items()]
+        lines.append(f'{names[i]} ::= ' + ' | '.join(options))
+    return '\n'.join(lines) + '\n'
+
+
+@functools.lru_cache(maxsize=256)
+def deterministic_grammar(regex: str) -> str | None:
+    """The EBNF text of a grammar, one rule per state of a minimal deterministic automaton, with the language of
+    ``xgr.Grammar.from_regex(regex)``; None where this module leaves the regex to xgrammar (no loop, constructs it
+    does not read, too many states, an empty language). Raises what ``from_regex`` raises for an invalid regex.
+
+    Pseudocode::
+
+        rules = parse(str(xgr.Grammar.from_regex(regex)))     # xgrammar's dialect, already resolved
+        nfa = build(rules['root'], then=final)                 # right to left; tail self-reference = loop
+        dfa = minimize(subsets(nfa))                           # transitions on disjoint code-point ranges
+        return one rule per dfa state: "" if accepting | [ranges] next_state ...
+    """
+    text = str(xgr.Grammar.from_regex(regex))
+    try:
+        rules = _rules(text, _Rules)
+        if 'root' not in rules:
+            return None
+        nfa = _NFA(rules)
+        final = nfa.state()
+        start = nfa.build(('ref', 'root'), final)
+        if not nfa.loops:
+            # a literal or bounded repetitions: xgrammar's parser keeps a bounded state, and its grammar is smaller
+            return None
+        minimal = _minimize(*_determinize(nfa, start, final))
+    except (_Unsupported, RecursionError):
+        return None
+    if minimal is None or len(minimal[0]) > MAX_DFA_STATES:
+        return None
+    return _print(*minimal)
+
+
+def compile_regex(compiler: xgr.GrammarCompiler, regex: str) -> xgr.CompiledGrammar:
+    """``compiler.compile_regex(regex)``, but through :func:`deterministic_grammar` where it gives a grammar."""
+    ebnf = deterministic_grammar(regex)
+    if ebnf is None:
+        return compiler.compile_regex(regex)
+    return compiler.compile_grammar(ebnf)
