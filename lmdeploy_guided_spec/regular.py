@@ -27,7 +27,7 @@ import xgrammar as xgr
 
 from .language import _IDENT, _REPEAT, MAX_CODE_POINT, _class_char, _Parser, _rules, _skip_quoted, _Unsupported
 
-__all__ = ['deterministic_grammar', 'compile_regex', 'MAX_NFA_STATES', 'MAX_DFA_STATES']
+__all__ = ['deterministic_grammar', 'compile_regex', 'pattern_counterexample', 'MAX_NFA_STATES', 'MAX_DFA_STATES']
 
 #: Largest automaton built before giving the regex to xgrammar as it is (counted repetitions multiply states).
 MAX_NFA_STATES = 20000
@@ -343,6 +343,27 @@ def _print(accepting, transitions) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def _automaton(regex: str, *, loops_only: bool):
+    """``(accepting, transitions)`` of the minimal deterministic automaton of ``xgr.Grammar.from_regex(regex)``, or
+    None (rules this module does not read, too many states, an empty language; no loop when ``loops_only``)."""
+    text = str(xgr.Grammar.from_regex(regex))
+    try:
+        rules = _rules(text, _Rules)
+        if 'root' not in rules:
+            return None
+        nfa = _NFA(rules)
+        final = nfa.state()
+        start = nfa.build(('ref', 'root'), final)
+        if loops_only and not nfa.loops:
+            return None
+        minimal = _minimize(*_determinize(nfa, start, final))
+    except (_Unsupported, RecursionError):
+        return None
+    if minimal is None or len(minimal[0]) > MAX_DFA_STATES:
+        return None
+    return minimal
+
+
 @functools.lru_cache(maxsize=256)
 def deterministic_grammar(regex: str) -> str | None:
     """The EBNF text of a grammar, one rule per state of a minimal deterministic automaton, with the language of
@@ -356,23 +377,65 @@ def deterministic_grammar(regex: str) -> str | None:
         dfa = minimize(subsets(nfa))                           # transitions on disjoint code-point ranges
         return one rule per dfa state: "" if accepting | [ranges] next_state ...
     """
-    text = str(xgr.Grammar.from_regex(regex))
+    # a literal or bounded repetitions (no loop): xgrammar's parser keeps a bounded state, and its grammar is smaller
+    minimal = _automaton(regex, loops_only=True)
+    return None if minimal is None else _print(*minimal)
+
+
+#: Characters a probe writes: printable ASCII but the quote and the backslash (a JSON string writes those, and control
+#: characters, as escapes, which xgrammar's pattern automaton reads differently), and a few beyond ASCII.
+_PROBES = tuple(c for c in range(0x20, 0x7F) if c not in (0x22, 0x5C)) + (0xE9, 0x4E00, 0x1F600)
+
+
+@functools.lru_cache(maxsize=1024)
+def pattern_counterexample(pattern: str) -> str | None:
+    """A string on which xgrammar's compile of a JSON-schema ``pattern`` and the pattern disagree, or None.
+
+    xgrammar compiles a ``pattern`` of a JSON schema with its own regex automaton, which in xgrammar 0.2.8 is not
+    exact for every pattern: ``^(0|1\\d*)(x\\d+)?$`` accepts ``"01"``. The reference is the minimal automaton of
+    ``from_regex``'s rules of the pattern (both read a pattern as a whole-string match). From the shortest string of
+    every state, each probe character must go on exactly when the state has a transition on it, and the string must
+    end there exactly when the state accepts. None also where this module does not read the pattern (more than
+    :data:`MAX_DFA_STATES` states, constructs it leaves to xgrammar) or xgrammar refuses it.
+    """
+    import json
+
+    from xgrammar.testing import _get_matcher_from_grammar
     try:
-        rules = _rules(text, _Rules)
-        if 'root' not in rules:
-            return None
-        nfa = _NFA(rules)
-        final = nfa.state()
-        start = nfa.build(('ref', 'root'), final)
-        if not nfa.loops:
-            # a literal or bounded repetitions: xgrammar's parser keeps a bounded state, and its grammar is smaller
-            return None
-        minimal = _minimize(*_determinize(nfa, start, final))
-    except (_Unsupported, RecursionError):
+        reference = _automaton(pattern, loops_only=False)
+        grammar = xgr.Grammar.from_json_schema(json.dumps({'type': 'string', 'pattern': pattern}))
+    except RuntimeError:
         return None
-    if minimal is None or len(minimal[0]) > MAX_DFA_STATES:
+    if reference is None:
         return None
-    return _print(*minimal)
+    accepting, transitions = reference
+    matcher = _get_matcher_from_grammar(grammar)
+
+    def accepts(text: str, whole: bool) -> bool:
+        matcher.reset()
+        written = json.dumps(text, ensure_ascii=False)
+        return matcher.accept_string(written if whole else written[:-1]) and (not whole or matcher.is_terminated())
+
+    def target(state: int, code: int) -> int | None:
+        for low, high, nxt in transitions[state]:
+            if low <= code <= high:
+                return nxt
+        return None
+
+    # the shortest string of every state reached through probe characters, in order of discovery
+    shortest, order = {0: ''}, [0]
+    for state in order:
+        text = shortest[state]
+        if accepts(text, True) != accepting[state]:
+            return text
+        for code in _PROBES:
+            nxt = target(state, code)
+            if accepts(text + chr(code), False) != (nxt is not None):
+                return text + chr(code)
+            if nxt is not None and nxt not in shortest:
+                shortest[nxt] = text + chr(code)
+                order.append(nxt)
+    return None
 
 
 def compile_regex(compiler: xgr.GrammarCompiler, regex: str) -> xgr.CompiledGrammar:

@@ -72,6 +72,9 @@ UNENFORCED = {
     'minimum without type': ({'minimum': 5}, '3', 'minimum without type at #'),
     'minLength without type': ({'minLength': 5}, '"a"', 'minLength without type at #'),
     'format without type': ({'format': 'email'}, '"x"', 'format without type at #'),
+    'inexact pattern': ({'type': 'string', 'pattern': '^(0|1\\d*)(x\\d+)?$'}, '"00"',
+                        "pattern '^(0|1\\\\d*)(x\\\\d+)?$' (xgrammar's automaton of it is not exact: "
+                        "it differs on '00') at #"),
     'minItems without type': ({'minItems': 2}, '[1]', 'minItems without type at #'),
 }
 
@@ -113,6 +116,8 @@ ENFORCED = {
     'items without type': ({'items': {'type': 'integer'}}, '["a"]'),
     'properties without type': ({'properties': {'a': {'type': 'integer'}}}, '{"a": "x"}'),
     **{f'format {f}': ({'type': 'string', 'format': f}, '"no pe !"') for f in sorted(KNOWN_FORMATS)},
+    'exact pattern': ({'type': 'string', 'pattern': '^[a-z]+(-[a-z]+)*$'}, '"a--b"'),
+    'exact pattern with a loop in a loop': ({'type': 'string', 'pattern': '^([a-z]+ ?)*[.]$'}, '"ab  ."'),
 }
 
 
