@@ -31,6 +31,8 @@ __all__ = ['deterministic_grammar', 'compile_regex', 'pattern_counterexample', '
 
 #: Largest automaton built before giving the regex to xgrammar as it is (counted repetitions multiply states).
 MAX_NFA_STATES = 20000
+#: Largest automaton :func:`pattern_counterexample` builds for a JSON-schema pattern (larger ones are not probed).
+MAX_PROBED_NFA_STATES = 1000
 #: Largest deterministic automaton printed as a grammar; larger ones are left to xgrammar (its compile computes
 #: token masks for every rule, so a grammar of many states compiles slowly).
 MAX_DFA_STATES = 256
@@ -141,8 +143,9 @@ class _NFA:
     returns the state they start from. A rule referred to in tail position of itself (how xgrammar writes ``*`` and
     ``+``) becomes a loop; any other recursion is not regular here and is refused."""
 
-    def __init__(self, rules: dict):
+    def __init__(self, rules: dict, max_states: int = MAX_NFA_STATES):
         self.rules = rules
+        self.max_states = max_states
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple]] = []  # (ranges, target)
         self._entries: dict = {}  # (rule, continuation) -> start state
@@ -151,8 +154,8 @@ class _NFA:
         self.loops = 0
 
     def state(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise _Unsupported(f'more than {MAX_NFA_STATES} automaton states')
+        if len(self.eps) >= self.max_states:
+            raise _Unsupported(f'more than {self.max_states} automaton states')
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -343,7 +346,7 @@ def _print(accepting, transitions) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def _automaton(regex: str, *, loops_only: bool):
+def _automaton(regex: str, *, loops_only: bool, max_nfa_states: int = MAX_NFA_STATES):
     """``(accepting, transitions)`` of the minimal deterministic automaton of ``xgr.Grammar.from_regex(regex)``, or
     None (rules this module does not read, too many states, an empty language; no loop when ``loops_only``)."""
     text = str(xgr.Grammar.from_regex(regex))
@@ -351,7 +354,7 @@ def _automaton(regex: str, *, loops_only: bool):
         rules = _rules(text, _Rules)
         if 'root' not in rules:
             return None
-        nfa = _NFA(rules)
+        nfa = _NFA(rules, max_nfa_states)
         final = nfa.state()
         start = nfa.build(('ref', 'root'), final)
         if loops_only and not nfa.loops:
@@ -396,17 +399,19 @@ def pattern_counterexample(pattern: str) -> str | None:
     ``from_regex``'s rules of the pattern (both read a pattern as a whole-string match). From the shortest string of
     every state, each probe character must go on exactly when the state has a transition on it, and the string must
     end there exactly when the state accepts. None also where this module does not read the pattern (more than
-    :data:`MAX_DFA_STATES` states, constructs it leaves to xgrammar) or xgrammar refuses it.
+    :data:`MAX_PROBED_NFA_STATES` or :data:`MAX_DFA_STATES` states, constructs it leaves to xgrammar) or xgrammar
+    refuses it.
     """
     import json
 
     from xgrammar.testing import _get_matcher_from_grammar
     try:
-        reference = _automaton(pattern, loops_only=False)
+        # a smaller automaton than for a compile: this runs where the request enters
+        reference = _automaton(pattern, loops_only=False, max_nfa_states=MAX_PROBED_NFA_STATES)
+        if reference is None:
+            return None
         grammar = xgr.Grammar.from_json_schema(json.dumps({'type': 'string', 'pattern': pattern}))
     except RuntimeError:
-        return None
-    if reference is None:
         return None
     accepting, transitions = reference
     matcher = _get_matcher_from_grammar(grammar)
