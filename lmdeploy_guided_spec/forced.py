@@ -34,7 +34,7 @@ from .bitmask import allocate_bitmask, token_allowed, uint32_words
 from .step import has_ended
 
 __all__ = ['ForcedTokenizer', 'JumpForwardMemo', 'single_allowed_token', 'single_allowed_tokens', 'token_allowed',
-           'forced_token', 'forced_drafts']
+           'forced_token', 'forced_drafts', 'jump_forward_text']
 
 #: Texts whose tokenization a ForcedTokenizer remembers (jump-forward strings repeat: the same property names
 #: come back in every request of a schema).
@@ -381,7 +381,7 @@ class JumpForwardMemo:
                 text = head.decode('utf-8', errors='ignore')
                 return text[:MAX_FORCED_CHARS]
             self._texts.pop(id(matcher), None)
-        text = matcher.find_jump_forward_string()
+        text = jump_forward_text(matcher)
         if len(text) >= self.MIN_CHARS:
             self._put(matcher, text.encode('utf-8'), 0)
         return text[:MAX_FORCED_CHARS]
@@ -403,6 +403,19 @@ class JumpForwardMemo:
             self._put(matcher, text, end)
         else:
             self._texts.pop(id(matcher), None)
+
+
+def jump_forward_text(matcher) -> str:
+    """xgrammar's jump-forward string of ``matcher``'s state; ``''`` where it does not start with a whole character.
+
+    In a state inside a character whose rest the grammar forces (after the byte token C2 where ``\\s`` takes U+00A0,
+    the byte A0), xgrammar hands over the bytes from there, which Python cannot decode (UnicodeDecodeError): nothing
+    whole is forced there, and the target writes the rest of the character.
+    """
+    try:
+        return matcher.find_jump_forward_string()
+    except UnicodeDecodeError:
+        return ''
 
 
 def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,
@@ -429,12 +442,11 @@ def forced_token(matcher, mask_row: torch.Tensor | np.ndarray, vocab_size: int,
         single = single_allowed_token(mask_row, vocab_size)
     if single is not None or tokenizer is None:
         return single
-    jump_forward = getattr(matcher, 'find_jump_forward_string', None)
-    if jump_forward is None:
+    if getattr(matcher, 'find_jump_forward_string', None) is None:
         return None
     # only the start of the text decides its first token: a literal of a million characters (a{1000000}) must not
     # be tokenized and replayed at every position (the cut counts as the text's end, which only holds tokens back)
-    text = jumps.read(matcher) if jumps is not None else jump_forward()[:MAX_FORCED_CHARS]
+    text = jumps.read(matcher) if jumps is not None else jump_forward_text(matcher)[:MAX_FORCED_CHARS]
     if not text:
         return None
     return tokenizer.first_token(text, mask_row, lambda: _only_eos_after(matcher, text, mask_row.shape[-1] * 32))

@@ -35,7 +35,7 @@ import torch
 import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, uint32_words
-from .forced import ForcedTokenizer, token_allowed
+from .forced import ForcedTokenizer, jump_forward_text, token_allowed
 from .layout import WHITESPACE, JsonLayout, WhitespaceMemory
 
 __all__ = ['SOURCES', 'GuessDrafts', 'GuessWindow', 'RequestHistory', 'guess_sources_from_env']
@@ -300,7 +300,7 @@ class GuessWindow:
         memory = state.history.memory
         text = bytearray()
         while len(text) < MAX_FORMAT_BYTES:
-            jump = probe.find_jump_forward_string()
+            jump = jump_forward_text(probe)
             if jump:
                 # a guess writes at most MAX_FORMAT_BYTES: the rest of a long forced literal is not replayed
                 data = jump[:MAX_FORMAT_BYTES].encode('utf-8')

@@ -60,6 +60,9 @@ def has_ended(matcher) -> bool:
         matcher.find_jump_forward_string()
     except RuntimeError:
         return True
+    except UnicodeDecodeError:
+        # a jump-forward string inside a character (forced.jump_forward_text): the grammar goes on
+        return False
     return False
 
 

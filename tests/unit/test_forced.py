@@ -369,3 +369,41 @@ def test_a_long_forced_literal_is_read_once_not_at_every_position(llama3, method
     assert text == 'a' * len(text) and len(text) > 24
     assert calls == 1 and chars == 100_000, (calls, chars)
     assert calls_before >= 8 * 3, calls_before  # before: at every draft position of every step
+
+
+@pytest.mark.parametrize('method', ['propose', 'begin_draft', 'guess'])
+def test_a_state_inside_a_character_whose_rest_is_forced(llama3, method, new_matcher):
+    """``\\s`` takes U+00A0 (bytes C2 A0): after the byte token C2 the grammar forces the byte A0. Where more than
+    one token starts with it (A0 alone, A0 ED ... before Hangul), the forced text is read from xgrammar, whose
+    jump-forward string of that state is half a character: Python cannot decode it (UnicodeDecodeError in the grammar
+    worker, for a regex_schema of Korean words and a sampled byte token). Nothing whole is forced there: the drafts
+    are free, the windows and the commit go on."""
+    from lmdeploy_guided_spec import GrammarWorker
+    from lmdeploy_guided_spec.step import has_ended
+    info = testing.tokenizer_info(llama3)
+    c2, a0 = info.decoded_vocab.index(b'\xc2'), info.decoded_vocab.index(b'\xa0')
+    compiled = testing.grammar_compiler(llama3).compile_regex(r'\s*[\uac00-\ud7a3]+')
+    manager = SpecGrammarManager(_vocab(llama3), worker=GrammarWorker(inline=True), pin_memory=False,
+                                 sparse_masks=False, tokenizer=testing.load_tokenizer(llama3),
+                                 guess_drafts=method == 'guess')
+    committed = new_matcher(compiled)
+    assert committed.accept_token(c2)
+    assert not has_ended(committed)
+    forced = _forced(llama3)
+    mask = allocate_bitmask(1, _vocab(llama3))
+    committed.fill_next_token_bitmask(mask)
+    forced_drafts(committed, 3, _vocab(llama3), forced)
+    if method == 'begin_draft':
+        window = manager.begin_draft({0: committed}, 1, 3, session_ids=[5])
+        tokens = []
+        for _ in range(3):
+            chosen = torch.full((1, 1), a0, dtype=torch.long)
+            window.advance(chosen)
+            tokens.append(int(chosen[0, 0]))
+    else:
+        tokens = manager.propose({0: committed}, 1, 3, session_ids=[5], prompt_ids=[[1, 2, 3]])[0].tolist()
+    manager.verification_bitmask({0: committed}, [tokens], [5])
+    # the target writes the rest of the character
+    assert manager.commit({0: committed}, [[a0]], session_ids=[5]) == {0: 1}
+    assert manager.pop_failures() == {}
+    assert committed.accept_string('가')
