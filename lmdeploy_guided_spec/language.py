@@ -76,31 +76,45 @@ def _class_char(body: str, i: int) -> tuple[int, int]:
     return ord(ch), i + 2
 
 
-def _class_is_empty(body: str) -> bool:
-    """Whether the character class with contents ``body`` (between ``[`` and ``]``) matches no character: an empty
-    class, or a negated one whose ranges cover every code point. Contents it cannot read count as not empty."""
+def _class_ranges(body: str) -> tuple:
+    """The code-point ranges, sorted and disjoint, that the class with contents ``body`` (between ``[`` and ``]``)
+    matches; raises :class:`_Unsupported` for contents it cannot read."""
     negated = body.startswith('^')
     if negated:
         body = body[1:]
-    ranges = []
-    i = 0
-    try:
-        while i < len(body):
-            low, i = _class_char(body, i)
-            high = low
-            if i + 1 < len(body) and body[i] == '-':
-                high, i = _class_char(body, i + 1)
+    ranges, i = [], 0
+    while i < len(body):
+        low, i = _class_char(body, i)
+        high = low
+        if i + 1 < len(body) and body[i] == '-':
+            high, i = _class_char(body, i + 1)
+        if low <= high:
             ranges.append((low, high))
+    merged = []
+    for low, high in sorted(ranges):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+        else:
+            merged.append((low, high))
+    if not negated:
+        return tuple(merged)
+    complement, start = [], 0
+    for low, high in merged:
+        if low > start:
+            complement.append((start, low - 1))
+        start = high + 1
+    if start <= MAX_CODE_POINT:
+        complement.append((start, MAX_CODE_POINT))
+    return tuple(complement)
+
+
+def _class_is_empty(body: str) -> bool:
+    """Whether the character class with contents ``body`` (between ``[`` and ``]``) matches no character: an empty
+    class, or a negated one whose ranges cover every code point. Contents it cannot read count as not empty."""
+    try:
+        return not _class_ranges(body)
     except _Unsupported:
         return False
-    if not negated:
-        return not any(low <= high for low, high in ranges)
-    covered = 0  # every code point below this one is in a range
-    for low, high in sorted(ranges):
-        if low > covered:
-            return False
-        covered = max(covered, high + 1)
-    return covered > MAX_CODE_POINT
 
 
 class _Parser:

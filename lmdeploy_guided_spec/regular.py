@@ -22,10 +22,21 @@ before.
 from __future__ import annotations
 
 import functools
+import json
 
 import xgrammar as xgr
+from xgrammar.testing import _get_matcher_from_grammar
 
-from .language import _IDENT, _REPEAT, MAX_CODE_POINT, _class_char, _Parser, _rules, _skip_quoted, _Unsupported
+from .language import (
+    _IDENT,
+    _REPEAT,
+    _class_char,
+    _class_ranges,
+    _Parser,
+    _rules,
+    _skip_quoted,
+    _Unsupported,
+)
 
 __all__ = ['deterministic_grammar', 'compile_regex', 'pattern_counterexample', 'MAX_NFA_STATES', 'MAX_DFA_STATES']
 
@@ -105,37 +116,6 @@ class _Rules(_Parser):
             raise _Unsupported(f'unexpected {self.text[self.i:self.i + 10]!r}')
         self.i = match.end()
         return ('ref', match.group(0))
-
-
-def _class_ranges(body: str) -> tuple:
-    """The code-point ranges, sorted and disjoint, that the class with contents ``body`` matches."""
-    negated = body.startswith('^')
-    if negated:
-        body = body[1:]
-    ranges, i = [], 0
-    while i < len(body):
-        low, i = _class_char(body, i)
-        high = low
-        if i + 1 < len(body) and body[i] == '-':
-            high, i = _class_char(body, i + 1)
-        if low <= high:
-            ranges.append((low, high))
-    merged = []
-    for low, high in sorted(ranges):
-        if merged and low <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
-        else:
-            merged.append((low, high))
-    if not negated:
-        return tuple(merged)
-    complement, start = [], 0
-    for low, high in merged:
-        if low > start:
-            complement.append((start, low - 1))
-        start = high + 1
-    if start <= MAX_CODE_POINT:
-        complement.append((start, MAX_CODE_POINT))
-    return tuple(complement)
 
 
 class _NFA:
@@ -402,9 +382,6 @@ def pattern_counterexample(pattern: str) -> str | None:
     :data:`MAX_PROBED_NFA_STATES` or :data:`MAX_DFA_STATES` states, constructs it leaves to xgrammar) or xgrammar
     refuses it.
     """
-    import json
-
-    from xgrammar.testing import _get_matcher_from_grammar
     try:
         # a smaller automaton than for a compile: this runs where the request enters
         reference = _automaton(pattern, loops_only=False, max_nfa_states=MAX_PROBED_NFA_STATES)

@@ -61,8 +61,7 @@ def has_ended(matcher) -> bool:
     except RuntimeError:
         return True
     except UnicodeDecodeError:
-        # a jump-forward string inside a character (forced.jump_forward_text): the grammar goes on
-        return False
+        pass  # a jump-forward string inside a character (forced.jump_forward_text): the grammar goes on
     return False
 
 

@@ -130,6 +130,7 @@ def _check(schema: dict, path: str, found: list[str]) -> None:
         note(f'format {fmt!r}')
     pattern = schema.get('pattern')
     if isinstance(pattern, str):
+        # imported here: the rest of this module needs neither xgrammar nor torch
         from .regular import pattern_counterexample
         example = pattern_counterexample(pattern)
         if example is not None:
