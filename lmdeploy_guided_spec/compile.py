@@ -100,7 +100,8 @@ def _timeout_from_env() -> float:
 
 def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, options: dict) -> xgr.CompiledGrammar:
     if kind == 'json_schema':
-        return compiler.compile_json_schema(source, **options)
+        # with exact rules for the patterns xgrammar 0.2.8 does not compile exactly (regular.py)
+        return regular.compile_json_schema(compiler, source, **options)
     if kind == 'regex':
         # as a deterministic grammar where it can be: xgrammar's own rules of a regex with nested quantifiers cost
         # more per token the longer the output (regular.py)

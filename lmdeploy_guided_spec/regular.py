@@ -6,7 +6,7 @@ tokens already accepted: ``(a*b*)*c`` costs 20 ms per mask after 150 tokens, ``(
 0.1 s, a common URL regex (``([\\/\\w \\.-]*)*``) 5 s after 12 tokens, and ``((a*)*)*b`` minutes. The engine fills
 the masks of all guided rows on one worker each step, so every request waits for the slowest grammar. (xgrammar's
 own regex automaton, ``Regex("...")`` in a grammar, is fast but not language-preserving in 0.2.8: it accepts "01"
-for ``(0|1\\d*)(x\\d+)?``.)
+for ``(0|1\\d*)(x\\d+)?``; see :func:`exact_patterns_grammar`.)
 
 Here the rules xgrammar makes of the regex (its dialect: what ``\\s``, ``.`` and escapes mean) become a
 nondeterministic automaton over code-point ranges, then a minimal deterministic one, printed as a grammar with one
@@ -18,6 +18,10 @@ A regex without a loop (no ``*``, ``+`` or ``{n,}``: its parse state stays bound
 does not read (a lookahead, a class that matches nothing), and one whose automaton would be large (counted repetitions
 such as ``[a-z]{1,500}``, or a deterministic blow-up such as ``(a|b)*a(a|b){20}``) are compiled by xgrammar as
 before.
+
+A JSON schema's ``pattern`` that xgrammar compiles inexactly (its automaton, or its rules of a pattern with
+characters beyond ASCII, which take a raw quote or newline inside the JSON string) gets the same kind of rules,
+written inside a JSON string: :func:`compile_json_schema`.
 """
 from __future__ import annotations
 
@@ -418,6 +422,168 @@ def pattern_counterexample(pattern: str) -> str | None:
                 shortest[nxt] = text + chr(code)
                 order.append(nxt)
     return None
+
+
+#: The characters a JSON string cannot hold as themselves (control characters, the quote, the backslash), each with
+#: the escape the exact grammar of a pattern writes for it: the short escape where JSON has one, else ``\u00XX``.
+_JSON_ESCAPES = {0x22: '"', 0x5c: '\\', 0x08: 'b', 0x0c: 'f', 0x0a: 'n', 0x0d: 'r', 0x09: 't'}
+
+
+def _json_escape(code: int) -> str:
+    """The grammar of the escape of ``code`` (a control character, the quote or the backslash) in a JSON string."""
+    short = _JSON_ESCAPES.get(code)
+    if short is not None:
+        return f'{_class([(0x5c, 0x5c)])} {_class([(ord(short), ord(short))])}'
+    hex_digits = []
+    for digit in f'{code:04x}':
+        if digit.isdigit():
+            hex_digits.append(f'[{digit}]')
+        else:
+            hex_digits.append(f'[{digit}{digit.upper()}]')
+    return f'{_class([(0x5c, 0x5c)])} [u] ' + ' '.join(hex_digits)
+
+
+def _print_json_string(accepting, transitions, names) -> list[str]:
+    """Rules ``names[i] ::= ...`` of the automaton's language written inside a JSON string: a character that JSON
+    must escape as its escape, every other character as itself."""
+    lines = []
+    for i, moves in enumerate(transitions):
+        raw: dict = {}
+        escaped = []
+        for lo, hi, t in moves:
+            for a, b in ((lo, min(hi, 0x21)), (max(lo, 0x23), min(hi, 0x5b)), (max(lo, 0x5d), hi)):
+                if a <= b and b >= 0x20:
+                    raw.setdefault(t, []).append((max(a, 0x20), b))
+            escaped.extend((code, t) for code in range(lo, min(hi, 0x5c) + 1) if code < 0x20 or code in (0x22, 0x5c))
+        options = (['""'] if accepting[i] else []) + [f'({_class(r)} {names[t]})' for t, r in raw.items()]
+        options += [f'({_json_escape(code)} {names[t]})' for code, t in escaped]
+        lines.append(f'{names[i]} ::= ' + ' | '.join(options))
+    return lines
+
+
+#: Keywords whose values are instances, not schemas: a ``pattern`` key inside them is data.
+_INSTANCE_KEYWORDS = frozenset({'const', 'enum', 'default', 'examples'})
+
+
+def _schema_patterns(schema) -> set[str]:
+    """The ``pattern`` values of a JSON schema, wherever they are (not inside instances: ``const``, ``enum``...)."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get('pattern'), str):
+                found.add(node['pattern'])
+            stack.extend(v for k, v in node.items() if k not in _INSTANCE_KEYWORDS)
+    return found
+
+
+def _with_patterns(schema, replace: dict):
+    """A copy of ``schema`` with every ``pattern`` value found in ``replace`` replaced by its value there."""
+    if isinstance(schema, list):
+        return [_with_patterns(node, replace) for node in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _INSTANCE_KEYWORDS else _with_patterns(value, replace) for key, value in schema.items()}
+    if isinstance(schema.get('pattern'), str) and schema['pattern'] in replace:
+        out['pattern'] = replace[schema['pattern']]
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _regex_rule(pattern: str) -> str | None:
+    """The right-hand side of the one rule xgrammar writes for ``pattern`` in a JSON schema's grammar with its regex
+    automaton (``Regex("...", json_string=true)``), or None where it writes rules of its own (a pattern with
+    characters beyond ASCII or a ``\\p{...}`` class) or refuses the pattern."""
+    try:
+        text = str(xgr.Grammar.from_json_schema(json.dumps({'type': 'string', 'pattern': pattern})))
+    except RuntimeError:
+        return None
+    rules = [line.split(' ::= ', 1)[1] for line in text.splitlines() if ' ::= Regex(' in line]
+    return rules[0] if len(rules) == 1 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def exact_pattern_automaton(pattern: str):
+    """``(accepting, transitions)`` of the minimal automaton of a JSON-schema ``pattern`` where xgrammar's compile of
+    the pattern is not exact, else None (xgrammar's compile is kept).
+
+    Not exact: a pattern xgrammar reads with its regex automaton where the automaton accepts a string the pattern does
+    not (:func:`pattern_counterexample`), and a pattern xgrammar writes as rules of ``from_regex`` (characters beyond
+    ASCII, ``\\p{L}``): those rules take the quote, the backslash and control characters as themselves inside the
+    JSON string (``^.+é$`` accepts ``"a"é"``, not JSON) and, with nested quantifiers, cost more per token the
+    longer the string. None also where the automaton has more than :data:`MAX_PROBED_NFA_STATES` or
+    :data:`MAX_DFA_STATES` states, or constructs this module leaves to xgrammar.
+    """
+    try:
+        automaton = _automaton(pattern, loops_only=False, max_nfa_states=MAX_PROBED_NFA_STATES)
+    except RuntimeError:
+        # an invalid pattern: xgrammar's compile of the schema says why
+        return None
+    if automaton is None:
+        return None
+    if _regex_rule(pattern) is None or pattern_counterexample(pattern) is not None:
+        return automaton
+    return None
+
+
+def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
+    """The EBNF text of ``xgr.Grammar.from_json_schema(schema, **options)`` with the rules of every ``pattern`` that
+    xgrammar does not compile exactly (:func:`exact_pattern_automaton`) replaced by rules of the pattern's minimal
+    deterministic automaton written inside a JSON string; None where no pattern needs it (compile the schema as
+    xgrammar does).
+
+    The rules accept a string exactly when its value matches the pattern (``from_regex``'s reading of it, a
+    whole-string match, as xgrammar's), each character written as itself or, where JSON must escape it, with its
+    short escape (``\\n``, ``\\"``) or ``\\u00XX`` (as ``json.dumps`` writes them), one rule per state: flat
+    cost per token. Each such pattern is swapped in the schema for a placeholder pattern whose rule xgrammar writes
+    on one line, then that line is replaced.
+    """
+    try:
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError:
+        # xgrammar's compile of it says what is wrong
+        return None
+    exact = {p: a for p in sorted(_schema_patterns(parsed)) if (a := exact_pattern_automaton(p)) is not None}
+    if not exact:
+        return None
+    taken = _schema_patterns(parsed)
+    placeholders, rules = {}, {}
+    for i, pattern in enumerate(exact):
+        placeholder = f'^exactpattern{i}$'
+        while placeholder in taken:
+            placeholder = placeholder[:-1] + 'x$'
+        placeholders[pattern] = placeholder
+        rules[_regex_rule(placeholder)] = exact[pattern]
+    text = str(xgr.Grammar.from_json_schema(json.dumps(_with_patterns(parsed, placeholders)), **options))
+    lines = text.splitlines()
+    names = {line.split(' ::= ', 1)[0] for line in lines}
+    out = []
+    for line in lines:
+        name, _, body = line.partition(' ::= ')
+        automaton = rules.get(body)
+        if automaton is None:
+            out.append(line)
+            continue
+        accepting, transitions = automaton
+        prefix = f'{name}_exact'
+        while any(n.startswith(prefix) for n in names):
+            prefix += '_'
+        states = [name] + [f'{prefix}{i}' for i in range(1, len(accepting))]
+        names.update(states)
+        out.extend(_print_json_string(accepting, transitions, states))
+    return '\n'.join(out) + '\n'
+
+
+def compile_json_schema(compiler: xgr.GrammarCompiler, schema: str | dict, **options) -> xgr.CompiledGrammar:
+    """``compiler.compile_json_schema(schema, **options)``, but with the rules of :func:`exact_patterns_grammar`
+    where a pattern needs them."""
+    ebnf = exact_patterns_grammar(schema, **options)
+    if ebnf is None:
+        return compiler.compile_json_schema(schema, **options)
+    return compiler.compile_grammar(ebnf)
 
 
 def compile_regex(compiler: xgr.GrammarCompiler, regex: str) -> xgr.CompiledGrammar:

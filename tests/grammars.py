@@ -1,5 +1,6 @@
 """Schemas, regexes and valid instances shared by the tests, and grammar helpers."""
 import json
+import time
 
 import xgrammar as xgr
 
@@ -120,3 +121,18 @@ ORDER = {
     'required': ['order_id', 'customer', 'items'],
     'additionalProperties': False,
 }
+
+
+def mask_costs(matcher: xgr.GrammarMatcher, ids, vocab_size: int, limit_s: float = 10) -> list[float]:
+    """The seconds of each ``fill_next_token_bitmask`` while ``matcher`` accepts ``ids`` one by one; fails once the
+    walk has taken ``limit_s``."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    costs = []
+    start = time.perf_counter()
+    for token in ids:
+        tick = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        costs.append(time.perf_counter() - tick)
+        assert matcher.accept_token(token)
+        assert time.perf_counter() - start < limit_s, f'{len(costs)} tokens took {limit_s} s'
+    return costs
