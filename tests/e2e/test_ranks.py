@@ -89,11 +89,20 @@ def _check_drafts_agree(directory, failing: str | None = None) -> int:
     logged a grammar error (the requests are valid: a grammar that rejects a committed token on any rank is out of
     step with rank 0's) other than those that say ``failing`` (requests meant to fail). Returns the number of
     speculative steps."""
+    # the last step of one rank may still be running when the last response has come back: wait until both ranks
+    # logged the same number of steps and nothing more arrives
+    deadline, previous = time.monotonic() + 30, None
+    while True:
+        logs = ranks.read_draft_logs(directory)
+        verified = {r: [rec['drafts'] for rec in recs if rec['kind'] == 'verify'] for r, recs in logs.items()}
+        counts = {r: len(v) for r, v in verified.items()}
+        if (counts == previous and len(set(counts.values())) == 1) or time.monotonic() > deadline:
+            break
+        previous = counts
+        time.sleep(1)
     errors = ranks.read_error_logs(directory)
     assert [e for e in errors if failing is None or failing not in e] == [], errors
-    logs = ranks.read_draft_logs(directory)
     assert sorted(logs) == [0, 1], f'draft logs of ranks {sorted(logs)}'
-    verified = {r: [rec['drafts'] for rec in recs if rec['kind'] == 'verify'] for r, recs in logs.items()}
     assert verified[0], 'no speculative step was logged'
     assert len(verified[0]) == len(verified[1]), {r: len(v) for r, v in verified.items()}
     for step, (a, b) in enumerate(zip(verified[0], verified[1])):
@@ -325,7 +334,8 @@ def test_tp2_server_traffic(cpu_path, tmp_path):
     """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` (both ranks draft; rank 1 follows rank 0's sampled
     tokens) and the openai client: concurrent greedy and sampling requests of every format, streaming and not, then
     clients that disconnect mid-stream beside requests that run to their end, then requests whose grammar meets a
-    dead end or tokens that ignore_eos, min_new_tokens and the n-gram stop ban, beside a mixed round. The server stays
+    dead end or tokens that ignore_eos, min_new_tokens and the n-gram stop ban, beside a mixed round and requests whose
+    patterns xgrammar compiles inexactly (each rank compiles their exact rules). The server stays
     up and answers ``/health``, guided output validates, both ranks verify the same drafts at every step and no
     rank's grammar rejects a committed token other than the dead ends' (those fail their own requests)."""
     log, drafts = tmp_path / 'server.log', tmp_path / 'drafts'
@@ -355,17 +365,20 @@ def test_tp2_server_traffic(cpu_path, tmp_path):
             assert proc.poll() is None, log.read_text()[-4000:]
 
         async def beside():
-            # the dead ends and banned tokens run one after another while a mixed round shares their batches
+            # the dead ends and banned tokens run one after another while a mixed round and requests whose patterns
+            # have exact rules (rank 1 compiles them itself: lmdeploy's compile, patched) share their batches
             return await asyncio.gather(asyncio.to_thread(traffic.dead_ends_and_banned_tokens, base, alive),
+                                        asyncio.to_thread(traffic.patterned, base, alive, 6),
                                         traffic.mixed_round(base, 1, 8))
 
         start = time.perf_counter()
-        dead_ends, mixed = asyncio.run(beside())
+        dead_ends, ended, mixed = asyncio.run(beside())
         traffic.check_round(mixed)
         alive()
         assert traffic.health(base) == 200
-        print(f'[tp=2 server] {dead_ends} dead ends and the banned-token requests beside 8 mixed ones: '
-              f'{time.perf_counter() - start:.1f} s')
+        assert ended >= 3
+        print(f'[tp=2 server] {dead_ends} dead ends and the banned-token requests beside 8 mixed ones and 6 '
+              f'patterned ones: {time.perf_counter() - start:.1f} s')
         # read while the server is up and idle: stopping it ends the rank processes wherever they are
         steps = _check_drafts_agree(drafts, failing=traffic.DEAD_END)
         print(f'[tp=2 server] {steps} speculative steps, drafts identical on both ranks')

@@ -87,6 +87,17 @@ def test_hostile_requests(server):
     assert traffic.health(base) == 200
 
 
+def test_patterns_xgrammar_compiles_inexactly(server):
+    """A schema whose patterns xgrammar 0.2.8 compiles inexactly (its automaton, its rules of a pattern beyond
+    ASCII), sampled: the output is JSON that satisfies the patterns."""
+    proc, base, log = server
+
+    def alive():
+        assert proc.poll() is None, log.read_text()[-4000:]
+
+    assert traffic.patterned(base, alive) >= 6
+
+
 def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
     """Requests that stopped the engine (a sampled row without a finite logit) or failed with HTTP 500: a grammar that
     allows no token at all is refused at entry; one that runs into a dead end fails its own request; ignore_eos,
