@@ -13,8 +13,7 @@ from e2e_helpers import (
     METHODS,
     PERSON,
     PROMPTS,
-    STOP_TEXTS,
-    Output,
+    banned_tokens_and_dead_ends,
     check_valid,
     draft_free_pipeline,
     gen_config,
@@ -228,38 +227,4 @@ def test_banned_tokens_and_dead_ends_leave_the_engine_serving(engines, method):
     ignore_eos, min_new_tokens or the n-gram stop together with the grammar, and a grammar that runs into a dead
     end. In one batch with sampling rows: the grammar wins where they meet, a dead end fails its own request, and
     the engine goes on."""
-    pipe = _spec_pipeline(engines, method)
-    ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
-    dead_ends = [{'type': 'regex_schema', 'regex_schema': regex} for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a')]
-    person = response_format('json_schema')
-    configs = [gen_config(ab, sampling=True, seed=1, ignore_eos=True, max_new_tokens=12),
-               gen_config(ab, ignore_eos=True, max_new_tokens=12),
-               gen_config(ab, sampling=True, seed=2, min_new_tokens=8, max_new_tokens=12),
-               gen_config(person, sampling=True, seed=3, repetition_ngram_size=2, repetition_ngram_threshold=1),
-               *(gen_config(fmt, sampling=sampling, seed=4) for fmt in dead_ends for sampling in (False, True)),
-               gen_config(person, sampling=True, seed=5)]
-    responses = pipe([PROMPTS[i % len(PROMPTS)] for i in range(len(configs))], gen_config=configs)
-    outputs = [Output(r.text, list(r.token_ids), r.finish_reason) for r in responses]
-    # the reason of a failed request: lmdeploy 0.18 gives it as error_message, 0.14 as the text
-    reasons = [(getattr(r, 'error_message', None) or '') + r.text for r in responses]
-    for out in outputs[:3]:
-        # ignore_eos runs to max_new_tokens writing stop tokens after the grammar's end; min_new_tokens does not
-        # outlast the grammar
-        text = out.text
-        for stop in STOP_TEXTS:
-            text = text.replace(stop, '')
-        assert out.finish_reason in ('stop', 'length'), out
-        check_valid(text, ab)
-    assert outputs[3].finish_reason in ('stop', 'length'), outputs[3]
-    failed = [reason for out, reason in zip(outputs[4:8], reasons[4:8]) if out.finish_reason == 'error']
-    assert failed and all('allows no token at all' in reason for reason in failed), (outputs[4:8], reasons[4:8])
-    for out, config in zip(outputs[4:8], configs[4:8]):
-        if out.finish_reason != 'error':
-            assert out.finish_reason == 'stop', out
-            check_valid(out.text, config.response_format)
-    assert outputs[8].finish_reason == 'stop', outputs[8]
-    check_valid(outputs[8].text, person)
-    # the engine still serves
-    again = generate(pipe, PROMPTS[:1], [gen_config(person, sampling=True, seed=6)])[0]
-    assert again.finish_reason == 'stop'
-    check_valid(again.text, person)
+    banned_tokens_and_dead_ends(_spec_pipeline(engines, method))

@@ -25,6 +25,7 @@ import server_traffic as traffic
 from e2e_helpers import (
     ENGINE_KWARGS,
     PERSON,
+    banned_tokens_and_dead_ends,
     check_valid,
     free_port,
     gen_config,
@@ -444,7 +445,9 @@ class DPEngines:
 def test_dp2_idle_rank(engines, method, tmp_path):
     """dp rank 1 gets no request (its engine runs lmdeploy's dummy forwards) while dp rank 0 serves guided and
     unguided requests, twice: everything finishes, guided output validates, and greedy output equals guided decoding
-    without speculation on one rank. With speculation the draft log shows dp rank 1 running dummy steps only."""
+    without speculation on one rank. Then a batch of grammars that meet banned tokens or a dead end, sampled and
+    greedy: the dead ends fail their own requests and the engines go on. With speculation the draft log shows dp
+    rank 1 running dummy steps only."""
     target, draft = METHODS.get(method, ('tiny-llama', None))
     formats = [response_format('json_schema'), None, response_format('regex_schema'),
                response_format('json_schema', schema=ITEM)]
@@ -462,6 +465,9 @@ def test_dp2_idle_rank(engines, method, tmp_path):
                 assert out.token_ids == ref.token_ids, (out.text, ref.text)
                 if fmt is not None and out.finish_reason == 'stop':
                     check_valid(out.text, fmt)
+        # then rows whose grammar meets banned tokens or a dead end beside sampled ones, while dp rank 1 runs dummy
+        # forwards in the same collectives: each dead end fails its own request, dp rank 0 goes on serving
+        banned_tokens_and_dead_ends(dp.pipe)
     finally:
         dp.close()
     if method is not None:
