@@ -39,7 +39,8 @@ from . import regular
 from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
 
 __all__ = [
-    'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'KINDS', 'grammar_stop_token_ids'
+    'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
+    'DEFAULT_MASK_LIMIT_MS', 'KINDS', 'grammar_stop_token_ids', 'mask_cost'
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ logger = logging.getLogger(__name__)
 COMPILE_TIMEOUT_ENV = 'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT'
 #: Compile time limit when neither the argument nor the environment variable gives one.
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+#: Environment variable with the most milliseconds one token mask of a grammar may cost where a probe walks it.
+MASK_LIMIT_ENV = 'LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS'
+#: Mask cost limit when neither the argument nor the environment variable gives one: the 120 benchmark schemas cost
+#: at most 0.3 ms per mask on two cores; a grammar over the limit would hold up every request at every step.
+DEFAULT_MASK_LIMIT_MS = 50.0
+#: Token positions a probe walks through a compiled grammar.
+PROBE_TOKENS = 16
 
 #: Grammar kinds and the keyword options each accepts (those of the matching ``GrammarCompiler`` method).
 KINDS = {
@@ -85,17 +94,54 @@ def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) ->
     return sorted(t for t in ids if 0 <= t < vocab_size)
 
 
-def _timeout_from_env() -> float:
-    raw = os.environ.get(COMPILE_TIMEOUT_ENV)
+def _positive_from_env(name: str, default: float, unit: str) -> float:
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return DEFAULT_COMPILE_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f'{COMPILE_TIMEOUT_ENV}={raw!r} is not a number of seconds') from None
+        raise ValueError(f'{name}={raw!r} is not a number of {unit}') from None
     if not value > 0:
-        raise ValueError(f'{COMPILE_TIMEOUT_ENV}={raw!r} must be a positive number of seconds')
+        raise ValueError(f'{name}={raw!r} must be a positive number of {unit}')
     return value
+
+
+def _timeout_from_env() -> float:
+    return _positive_from_env(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, 'seconds')
+
+
+def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit_s: float | None = None,
+              seed: int = 0) -> tuple[float, int]:
+    """``(seconds, position)`` of the slowest token mask along a walk through ``grammar``: at each of ``tokens``
+    positions the mask is filled, again up to twice where it took more than ``limit_s`` (the fastest fill counts: a
+    busy machine does not make a grammar slow), then a token the mask allows, other than a stop token, is taken at
+    random (``seed``). Stops at the first mask over ``limit_s`` and where only stop tokens are allowed."""
+    import numpy as np
+
+    info = grammar.tokenizer_info
+    vocab, stops = info.vocab_size, set(info.stop_token_ids)
+    matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    rng = np.random.default_rng(seed)
+    worst, where = 0.0, 0
+    for position in range(tokens):
+        fills = []
+        for _ in range(3):
+            start = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask)
+            fills.append(time.perf_counter() - start)
+            if limit_s is not None and fills[-1] <= limit_s:
+                break
+        if min(fills) > worst:
+            worst, where = min(fills), position
+        if limit_s is not None and worst > limit_s:
+            break
+        bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab]
+        allowed = [t for t in np.flatnonzero(bits).tolist() if t not in stops]
+        if not allowed or not matcher.accept_token(int(rng.choice(allowed))):
+            break
+    return worst, where
 
 
 def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, options: dict) -> xgr.CompiledGrammar:
@@ -128,7 +174,7 @@ def _child_main(fd: int, max_threads: int) -> None:
             return
         if message is None:
             return
-        kind, source, options, transfer_limit = message
+        kind, source, options, transfer_limit, mask_limit_s = message
         start = time.perf_counter()
         try:
             grammar = _compile(compiler, kind, source, options)
@@ -136,6 +182,11 @@ def _child_main(fd: int, max_threads: int) -> None:
             conn.send(('error', f'{type(exc).__name__}: {exc}'.strip()))
             continue
         seconds = time.perf_counter() - start
+        # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up everyone
+        cost, position = mask_cost(grammar, limit_s=mask_limit_s)
+        if cost > mask_limit_s:
+            conn.send(('slow', cost, position))
+            continue
         size = grammar.memory_size_bytes
         payload = grammar.serialize_json() if size <= transfer_limit else None
         conn.send(('ok', payload, seconds, size))
@@ -204,6 +255,11 @@ class GrammarCompileService:
     timeout_s : float, optional
         Longest a single compile may run (in the child, queueing not counted). Defaults to the environment
         variable ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT`` (seconds), else 30.
+    mask_limit_ms : float, optional
+        Most a token mask of a compiled grammar may cost along a probe of its first :data:`PROBE_TOKENS` positions
+        (:func:`mask_cost`, in the child after the compile); a slower grammar fails with
+        :class:`GrammarCompileError` instead of holding up every request at every step. Defaults to the environment
+        variable ``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else 50.
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
         grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
@@ -219,14 +275,15 @@ class GrammarCompileService:
     Notes
     -----
     ``submit`` never blocks on a compile. The returned future fails with :class:`GrammarCompileError` (a
-    ``ValueError``) for a source xgrammar rejects, :class:`GrammarCompileTimeout` when the compile ran past the
+    ``ValueError``) for a source xgrammar rejects or whose mask costs more than the limit,
+    :class:`GrammarCompileTimeout` when the compile ran past the
     limit (the child is killed and a fresh one starts with the next compile), and
     :class:`GrammarCompilerUnavailable` when the child died or the service was closed.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | str, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
-                 transfer_limit_bytes: int = 1 << 20):
+                 transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None):
         if isinstance(tokenizer_info, str):
             self._info_json = tokenizer_info
             self._info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
@@ -236,6 +293,10 @@ class GrammarCompileService:
         self.timeout_s = float(timeout_s) if timeout_s is not None else _timeout_from_env()
         if not self.timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
+        self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else _positive_from_env(
+            MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, 'milliseconds')
+        if not self.mask_limit_ms > 0:
+            raise ValueError(f'mask_limit_ms must be positive, got {mask_limit_ms!r}')
         if cache_limit_bytes < 0:
             raise ValueError(f'cache_limit_bytes must be >= 0 (a bounded cache), got {cache_limit_bytes}')
         if max_workers < 1 or max_threads < 1:
@@ -455,7 +516,7 @@ class GrammarCompileService:
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar:
         child = self._child(slot)
         try:
-            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes))
+            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes, self.mask_limit_ms / 1e3))
             answered = child.conn.poll(self.timeout_s)
             reply = child.conn.recv() if answered else None
         except (EOFError, OSError):
@@ -472,6 +533,13 @@ class GrammarCompileService:
                 f'the limit with the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
         if reply[0] == 'error':
             raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}')
+        if reply[0] == 'slow':
+            raise GrammarCompileError(
+                f'the {self._describe(job)} costs {reply[1] * 1e3:.0f} ms per token to match (token {reply[2] + 1} '
+                f'of a probe), more than the limit of {self.mask_limit_ms:g} ms ({MASK_LIMIT_ENV}): every guided '
+                f'request would wait for it at every step. Simplify the schema or regex; counted repetitions of '
+                f'groups that can match the same text in several ways, such as ([a-z]+ ?){{1,300}}, are the '
+                f'usual cause')
         _, payload, seconds, size = reply
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)

@@ -69,6 +69,19 @@ def test_hostile_requests(server):
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=model, messages=messages, response_format=as_string, max_tokens=96)
     assert 400 <= refused.value.status_code < 500
+    # a regex whose masks cost half a second per token (it held up every request at every step): refused with the
+    # cost and the limit (HTTP 400)
+    slow = {'type': 'regex_schema', 'regex_schema': '([a-z]+ ?){1,40}'}
+    try:
+        choice = client.chat.completions.create(model=model, messages=messages, response_format=slow,
+                                                max_tokens=16).choices[0]
+    except openai.APIStatusError as err:
+        assert err.status_code == 400 and 'ms per token to match' in str(err), err
+    else:
+        # lmdeploy 0.14.0's api_server answers a request the engine failed with its reason as the text
+        import lmdeploy
+        assert lmdeploy.__version__ == '0.14.0' and choice.finish_reason == 'error', choice
+        assert 'ms per token to match' in choice.message.content, choice
     # raw logprobs of a guided request, non-streamed and streamed: finite numbers, valid JSON over HTTP
     fmt = response_format('json_schema')
     choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=96,

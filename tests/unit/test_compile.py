@@ -8,7 +8,7 @@ import torch
 import xgrammar as xgr
 
 from lmdeploy_guided_spec import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout, GuidedSpecError
-from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV, GrammarCompileService
+from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV, MASK_LIMIT_ENV, GrammarCompileService, mask_cost
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
 pytestmark = pytest.mark.unit
@@ -197,6 +197,41 @@ def test_close_fails_pending_compiles_and_refuses_new_ones(monkeypatch, caplog):
     with pytest.raises(GrammarCompilerUnavailable, match='closed'):
         svc.submit('regex', 'later')
     svc.close()
+
+
+# counted repetitions of a group that matches the same text in several ways: xgrammar's rules cost 0.5 s per token
+# mask from the first token on for 40 words (1.6 s for 300), and the deterministic automaton is too large to build
+SLOW_REGEX = r'([a-z]+ ?){1,40}'
+
+
+def test_a_grammar_whose_mask_is_slow_fails_with_the_reason():
+    """The grammar worker fills every guided row's mask each step: a grammar that costs half a second per mask held up
+    every request. The compile service probes the first tokens' masks in its child and fails such a grammar with the
+    cost and the limit; grammars of ordinary cost pass, and the service goes on compiling."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1, mask_limit_ms=50) as svc:
+        start = time.perf_counter()
+        with pytest.raises(GrammarCompileError, match=r'ms per token to match .* limit of 50 ms') as info:
+            svc.submit('regex', SLOW_REGEX).result(timeout=120)
+        assert MASK_LIMIT_ENV in str(info.value) and 'regex grammar' in str(info.value)
+        assert time.perf_counter() - start < 30
+        for kind, source, options, text in CASES:
+            grammar = svc.submit(kind, source, **options).result(timeout=60)
+            assert _same_masks(grammar, _reference(kind, source, options), text)
+
+
+def test_the_mask_cost_of_a_grammar():
+    compiler = grammar_compiler('llama3')
+    cheap, _ = mask_cost(compiler.compile_json_schema(json.dumps(PERSON)))
+    assert cheap < 0.01
+    # stops at the first mask over the limit
+    slow, position = mask_cost(compiler.compile_regex(SLOW_REGEX), limit_s=0.05)
+    assert slow > 0.05 and position <= 2
+
+
+def test_a_bad_mask_limit_variable_is_named(monkeypatch):
+    monkeypatch.setenv(MASK_LIMIT_ENV, '-3')
+    with pytest.raises(ValueError, match=MASK_LIMIT_ENV):
+        GrammarCompileService(tokenizer_info('llama3'))
 
 
 def test_a_bad_timeout_variable_is_named(monkeypatch):
