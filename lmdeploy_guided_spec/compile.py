@@ -114,13 +114,14 @@ def _timeout_from_env() -> float:
 def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit_s: float | None = None,
               seed: int = 0) -> tuple[float, int]:
     """``(seconds, position)`` of the slowest token mask along a walk through ``grammar``: at each of ``tokens``
-    positions the mask is filled, again up to twice where it took more than ``limit_s`` (the fastest fill counts: a
-    busy machine does not make a grammar slow), then a token the mask allows, other than a stop token, is taken at
-    random (``seed``). Stops at the first mask over ``limit_s`` and where only stop tokens are allowed."""
+    positions the mask is filled, again up to twice where it took more than ``limit_s`` but less than ten times that
+    (the fastest fill counts: a busy machine does not make a grammar slow), then a token the mask allows, other than
+    a stop token, is taken at random (``seed``). Stops at the first mask over ``limit_s`` and where only stop tokens
+    are allowed."""
     import numpy as np
 
     info = grammar.tokenizer_info
-    vocab, stops = info.vocab_size, set(info.stop_token_ids)
+    vocab, stops = info.vocab_size, [t for t in info.stop_token_ids if 0 <= t < info.vocab_size]
     matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     rng = np.random.default_rng(seed)
@@ -131,15 +132,16 @@ def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit
             start = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask)
             fills.append(time.perf_counter() - start)
-            if limit_s is not None and fills[-1] <= limit_s:
+            if limit_s is not None and not limit_s < fills[-1] < 10 * limit_s:
                 break
         if min(fills) > worst:
             worst, where = min(fills), position
         if limit_s is not None and worst > limit_s:
             break
         bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab]
-        allowed = [t for t in np.flatnonzero(bits).tolist() if t not in stops]
-        if not allowed or not matcher.accept_token(int(rng.choice(allowed))):
+        bits[stops] = 0
+        allowed = np.flatnonzero(bits)
+        if not len(allowed) or not matcher.accept_token(int(rng.choice(allowed))):
             break
     return worst, where
 
@@ -178,12 +180,15 @@ def _child_main(fd: int, max_threads: int) -> None:
         start = time.perf_counter()
         try:
             grammar = _compile(compiler, kind, source, options)
-        except Exception as exc:  # xgrammar raises RuntimeError for every bad source; hand over whatever it is
+            seconds = time.perf_counter() - start
+            # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up everyone
+            cost, position = (0.0, 0) if mask_limit_s == float('inf') else mask_cost(grammar, limit_s=mask_limit_s)
+        except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
             conn.send(('error', f'{type(exc).__name__}: {exc}'.strip()))
             continue
-        seconds = time.perf_counter() - start
-        # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up everyone
-        cost, position = mask_cost(grammar, limit_s=mask_limit_s)
+        except Exception as exc:  # a fault of this package or of xgrammar, not of the source
+            conn.send(('internal', f'{type(exc).__name__}: {exc}'.strip()))
+            continue
         if cost > mask_limit_s:
             conn.send(('slow', cost, position))
             continue
@@ -259,7 +264,7 @@ class GrammarCompileService:
         Most a token mask of a compiled grammar may cost along a probe of its first :data:`PROBE_TOKENS` positions
         (:func:`mask_cost`, in the child after the compile); a slower grammar fails with
         :class:`GrammarCompileError` instead of holding up every request at every step. Defaults to the environment
-        variable ``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else 50.
+        variable ``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else 50; ``inf`` turns the probe off.
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
         grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
@@ -533,6 +538,8 @@ class GrammarCompileService:
                 f'the limit with the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
         if reply[0] == 'error':
             raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}')
+        if reply[0] == 'internal':
+            raise GrammarCompilerUnavailable(f'the grammar compiler failed on a {self._describe(job)}: {reply[1]}')
         if reply[0] == 'slow':
             raise GrammarCompileError(
                 f'the {self._describe(job)} costs {reply[1] * 1e3:.0f} ms per token to match (token {reply[2] + 1} '

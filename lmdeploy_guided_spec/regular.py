@@ -463,33 +463,53 @@ def _print_json_string(accepting, transitions, names) -> list[str]:
 
 #: Keywords whose values are instances, not schemas: a ``pattern`` key inside them is data.
 _INSTANCE_KEYWORDS = frozenset({'const', 'enum', 'default', 'examples'})
+#: Keywords whose values map names (of properties, definitions, patterns) to schemas: a name is not a keyword.
+_NAMED_SCHEMAS = frozenset({'properties', 'patternProperties', '$defs', 'definitions', 'dependentSchemas'})
+
+
+def _with_patterns(schema, replace: dict, found: set | None = None):
+    """A copy of ``schema`` with every ``pattern`` keyword whose value is in ``replace`` replaced by its value there;
+    the values of all ``pattern`` keywords are added to ``found``. Instances (``const``, ``enum``...) stay as they
+    are; names under ``properties``, ``$defs``... are names, not keywords."""
+    if isinstance(schema, list):
+        return [_with_patterns(node, replace, found) for node in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _INSTANCE_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _with_patterns(sub, replace, found) for name, sub in value.items()}
+        else:
+            out[key] = _with_patterns(value, replace, found)
+    pattern = schema.get('pattern')
+    if isinstance(pattern, str):
+        if found is not None:
+            found.add(pattern)
+        out['pattern'] = replace.get(pattern, pattern)
+    return out
 
 
 def _schema_patterns(schema) -> set[str]:
-    """The ``pattern`` values of a JSON schema, wherever they are (not inside instances: ``const``, ``enum``...)."""
+    """The values of the ``pattern`` keywords of a JSON schema, wherever they are."""
     found: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if isinstance(node.get('pattern'), str):
-                found.add(node['pattern'])
-            stack.extend(v for k, v in node.items() if k not in _INSTANCE_KEYWORDS)
+    _with_patterns(schema, {}, found)
     return found
 
 
-def _with_patterns(schema, replace: dict):
-    """A copy of ``schema`` with every ``pattern`` value found in ``replace`` replaced by its value there."""
-    if isinstance(schema, list):
-        return [_with_patterns(node, replace) for node in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _INSTANCE_KEYWORDS else _with_patterns(value, replace) for key, value in schema.items()}
-    if isinstance(schema.get('pattern'), str) and schema['pattern'] in replace:
-        out['pattern'] = replace[schema['pattern']]
-    return out
+def _strings(node, found: set) -> set:
+    """Every string of a JSON document, keys included."""
+    if isinstance(node, str):
+        found.add(node)
+    elif isinstance(node, list):
+        for item in node:
+            _strings(item, found)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            found.add(key)
+            _strings(value, found)
+    return found
 
 
 @functools.lru_cache(maxsize=1024)
@@ -537,27 +557,31 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
 
     The rules accept a string exactly when its value matches the pattern (``from_regex``'s reading of it, a
     whole-string match, as xgrammar's), each character written as itself or, where JSON must escape it, with its
-    short escape (``\\n``, ``\\"``) or ``\\u00XX`` (as ``json.dumps`` writes them), one rule per state: flat
+    short escape (``\\n``, ``\\"``) or ``\\u00XX`` (as ``json.dumps(..., ensure_ascii=False)`` writes them), one
+    rule per state: flat
     cost per token. Each such pattern is swapped in the schema for a placeholder pattern whose rule xgrammar writes
     on one line, then that line is replaced.
     """
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
-    except ValueError:
-        # xgrammar's compile of it says what is wrong
+        patterns = _schema_patterns(parsed)
+        exact = {p: a for p in sorted(patterns) if (a := exact_pattern_automaton(p)) is not None}
+        if not exact:
+            return None
+        # a placeholder no string of the schema spells (a patternProperties key compiles to such a rule too)
+        taken = _strings(parsed, set())
+        placeholders, rules = {}, {}
+        for i, pattern in enumerate(exact):
+            placeholder = f'^exactpattern{i}$'
+            while placeholder in taken:
+                placeholder = placeholder[:-1] + 'x$'
+            placeholders[pattern] = placeholder
+            rules[_regex_rule(placeholder)] = exact[pattern]
+        rewritten = json.dumps(_with_patterns(parsed, placeholders))
+    except (ValueError, RecursionError):
+        # not JSON, or nested deeper than Python recurses: xgrammar's compile of it says what is wrong
         return None
-    exact = {p: a for p in sorted(_schema_patterns(parsed)) if (a := exact_pattern_automaton(p)) is not None}
-    if not exact:
-        return None
-    taken = _schema_patterns(parsed)
-    placeholders, rules = {}, {}
-    for i, pattern in enumerate(exact):
-        placeholder = f'^exactpattern{i}$'
-        while placeholder in taken:
-            placeholder = placeholder[:-1] + 'x$'
-        placeholders[pattern] = placeholder
-        rules[_regex_rule(placeholder)] = exact[pattern]
-    text = str(xgr.Grammar.from_json_schema(json.dumps(_with_patterns(parsed, placeholders)), **options))
+    text = str(xgr.Grammar.from_json_schema(rewritten, **options))
     lines = text.splitlines()
     names = {line.split(' ::= ', 1)[0] for line in lines}
     out = []

@@ -217,6 +217,10 @@ def test_a_grammar_whose_mask_is_slow_fails_with_the_reason():
         for kind, source, options, text in CASES:
             grammar = svc.submit(kind, source, **options).result(timeout=60)
             assert _same_masks(grammar, _reference(kind, source, options), text)
+    # an infinite limit turns the probe off
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1,
+                               mask_limit_ms=float('inf')) as svc:
+        assert svc.submit('regex', SLOW_REGEX).result(timeout=120) is not None
 
 
 def test_the_mask_cost_of_a_grammar():

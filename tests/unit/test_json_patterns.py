@@ -122,6 +122,19 @@ def test_a_pattern_key_inside_an_instance_is_data():
     assert not _accepts(matcher, f'{{"code": "00", "rule": {rule}}}')
 
 
+def test_properties_named_like_keywords_and_a_placeholder_the_schema_spells():
+    """A property named ``default`` is a schema like any other (its pattern gets exact rules); a patternProperties key
+    that spells the placeholder pattern keeps its own meaning."""
+    inexact = r'^(0|1\d*)(x\d+)?$'
+    schema = {'type': 'object', 'properties': {'default': {'type': 'string', 'pattern': inexact}},
+              'patternProperties': {'^exactpattern0$': {'type': 'integer'}}, 'required': ['default'],
+              'additionalProperties': False}
+    matcher = _matcher(schema)
+    assert _accepts(matcher, '{"default": "10", "exactpattern0": 1}')
+    assert not _accepts(matcher, '{"default": "00"}')
+    assert not _accepts(matcher, '{"default": "10", "10": 1}')
+
+
 def test_a_schema_without_such_patterns_is_xgrammars_own():
     schema = json.dumps({'type': 'object', 'properties': {'a': {'type': 'string', 'pattern': '^[a-z]+$'}}})
     compiler = testing.grammar_compiler('llama3')
