@@ -28,6 +28,8 @@ COSTLY = {
     r'([a-zA-Z0-9]+\s?)*': ' '.join(['hello', 'world', 'this', 'is', 'fine'] * 20),
     r'(a*b*)*c': 'ab' * 150,
     r'((a*)*)*b': 'a' * 300,
+    # "up to 40 words": 0.5 s per mask from the first token on
+    r'([a-z]+ ?){1,40}': 'hello world this is fine ' * 7,
 }
 
 
