@@ -472,8 +472,8 @@ _NAMED_SCHEMAS = frozenset({'properties', 'patternProperties', '$defs', 'definit
 
 
 def _with_patterns(schema, replace: dict, found: set | None = None):
-    """A copy of ``schema`` with every ``pattern`` keyword whose value is in ``replace`` replaced by its value there;
-    the values of all ``pattern`` keywords are added to ``found``. Instances (``const``, ``enum``...) stay as they
+    """A copy of ``schema`` with every pattern (a ``pattern`` value, a ``patternProperties`` key) found in ``replace``
+    replaced by its value there; all patterns are added to ``found``. Instances (``const``, ``enum``...) stay as they
     are; names under ``properties``, ``$defs``... are names, not keywords."""
     if isinstance(schema, list):
         return [_with_patterns(node, replace, found) for node in schema]
@@ -483,6 +483,11 @@ def _with_patterns(schema, replace: dict, found: set | None = None):
     for key, value in schema.items():
         if key in _INSTANCE_KEYWORDS:
             out[key] = value
+        elif key == 'patternProperties' and isinstance(value, dict):
+            # its keys are patterns too (xgrammar compiles a property name with its automaton)
+            if found is not None:
+                found.update(value)
+            out[key] = {replace.get(name, name): _with_patterns(sub, replace, found) for name, sub in value.items()}
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
             out[key] = {name: _with_patterns(sub, replace, found) for name, sub in value.items()}
         else:
@@ -496,7 +501,7 @@ def _with_patterns(schema, replace: dict, found: set | None = None):
 
 
 def _schema_patterns(schema) -> set[str]:
-    """The values of the ``pattern`` keywords of a JSON schema, wherever they are."""
+    """The patterns of a JSON schema (``pattern`` values, ``patternProperties`` keys), wherever they are."""
     found: set[str] = set()
     _with_patterns(schema, {}, found)
     return found

@@ -135,6 +135,16 @@ def test_properties_named_like_keywords_and_a_placeholder_the_schema_spells():
     assert not _accepts(matcher, '{"default": "10", "10": 1}')
 
 
+def test_a_pattern_property_name():
+    """A ``patternProperties`` key is a pattern of property names: exact there too."""
+    schema = {'type': 'object', 'patternProperties': {r'^(0|1\d*)(x\d+)?$': {'type': 'integer'},
+                                                      r'^.+é$': {'type': 'boolean'}}, 'additionalProperties': False}
+    matcher = _matcher(schema)
+    assert _accepts(matcher, '{"10x2": 1, "a\\nbé": true}')
+    assert not _accepts(matcher, '{"00": 1}')
+    assert not _accepts(matcher, '{"a"é": true}')
+
+
 def test_a_schema_without_such_patterns_is_xgrammars_own():
     schema = json.dumps({'type': 'object', 'properties': {'a': {'type': 'string', 'pattern': '^[a-z]+$'}}})
     compiler = testing.grammar_compiler('llama3')
