@@ -13,19 +13,23 @@ INVALID = [
     ({'type': 'xml'}, "unsupported type 'xml'|unsupported format type: xml"),
 ]
 FAILED = 'Invalid response_format|Unsupported response format|unsupported format type'
+# a regex whose token masks cost over a second each in xgrammar: the compile service refuses it
+SLOW = {'type': 'regex_schema', 'regex_schema': '([a-z]+ ?){1,300}'}
 
 
 @pytest.mark.parametrize('method', list(METHODS))
 def test_invalid_format_fails_alone(engines, method):
     pipe = engines(METHODS[method])
     good = response_format('json_schema')
-    formats = [good] + [fmt for fmt, _ in INVALID] + [None]
+    formats = [good] + [fmt for fmt, _ in INVALID] + [SLOW, None]
     configs = [gen_config(fmt, max_new_tokens=64 if fmt is not None else 8) for fmt in formats]
-    outputs = generate(pipe, PROMPTS[:len(formats)], configs)
+    outputs = generate(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(len(formats))], configs)
     assert outputs[0].finish_reason == 'stop'
     check_valid(outputs[0].text, good)
     for out, (_, message) in zip(outputs[1:], INVALID):
         assert out.finish_reason == 'error' and re.search(FAILED, out.text) and re.search(message, out.text), out
+    # a grammar whose masks cost over a second each fails with the cost and the limit
+    assert outputs[-2].finish_reason == 'error' and 'ms per token to match' in outputs[-2].text, outputs[-2]
     assert outputs[-1].finish_reason in ('stop', 'length')
     # the engine keeps serving
     again = generate(pipe, PROMPTS[:1], [gen_config(good)])[0]
