@@ -331,23 +331,28 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
         pipe.close()
 
 
-def test_tp2_server_traffic(cpu_path, tmp_path):
-    """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` (both ranks draft; rank 1 follows rank 0's sampled
-    tokens) and the openai client: concurrent greedy and sampling requests of every format, streaming and not, then
-    clients that disconnect mid-stream beside requests that run to their end, then requests whose grammar meets a
-    dead end or tokens that ignore_eos, min_new_tokens and the n-gram stop ban, beside a mixed round and requests whose
-    patterns xgrammar compiles inexactly (each rank compiles their exact rules). The server stays
-    up and answers ``/health``, guided output validates, both ranks verify the same drafts at every step and no
-    rank's grammar rejects a committed token other than the dead ends' (those fail their own requests)."""
+@pytest.mark.parametrize('method', ['deepseek_mtp', 'eagle3'])
+def test_tp2_server_traffic(cpu_path, method, tmp_path):
+    """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` or ``eagle3`` (both ranks draft; rank 1 follows rank
+    0's sampled tokens) and the openai client: concurrent greedy and sampling requests of every format, streaming and
+    not, then clients that disconnect mid-stream beside requests that run to their end, then requests whose grammar
+    meets a dead end or tokens that ignore_eos, min_new_tokens and the n-gram stop ban, beside a mixed round and
+    requests whose patterns xgrammar compiles inexactly (each rank compiles their exact rules). The server stays up
+    and answers ``/health``, guided output validates, both ranks verify the same drafts at every step and no rank's
+    grammar rejects a committed token other than the dead ends' (those fail their own requests)."""
     log, drafts = tmp_path / 'server.log', tmp_path / 'drafts'
     drafts.mkdir()
-    args = ['--tp', '2', '--distributed-executor-backend', 'mp', '--speculative-algorithm', 'deepseek_mtp',
+    from lmdeploy_guided_spec.cpu import models
+    target, draft = METHODS[method]
+    args = ['--tp', '2', '--distributed-executor-backend', 'mp', '--speculative-algorithm', method,
             '--speculative-num-draft-tokens', str(NUM_SPEC_TOKENS)]
+    if draft is not None:
+        args += ['--speculative-draft-model', models.resolve(draft)]
     start = time.perf_counter()
     # the server's engine and rank processes inherit the draft log's directory
     with _environ({ranks.DRAFT_LOG_ENV: str(drafts)}):
-        proc, base = start_server(args, log, max_batch_size=16, model='tiny-deepseek-mtp')
-    print(f'\n[tp=2 server] start-up {time.perf_counter() - start:.1f} s')
+        proc, base = start_server(args, log, max_batch_size=16, model=target)
+    print(f'\n[tp=2 server {method}] start-up {time.perf_counter() - start:.1f} s')
     try:
         start = time.perf_counter()
         traffic.check_round(asyncio.run(traffic.mixed_round(base, 0, 16)))
