@@ -108,10 +108,6 @@ def _positive_from_env(name: str, default: float, unit: str) -> float:
     return value
 
 
-def _timeout_from_env() -> float:
-    return _positive_from_env(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, 'seconds')
-
-
 def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit_s: float | None = None,
               seed: int = 0) -> tuple[float, int]:
     """``(seconds, position)`` of the slowest token mask (CPU time of the calling thread) along a walk through
@@ -298,7 +294,8 @@ class GrammarCompileService:
         else:
             self._info = tokenizer_info
             self._info_json = tokenizer_info.serialize_json()
-        self.timeout_s = float(timeout_s) if timeout_s is not None else _timeout_from_env()
+        self.timeout_s = float(timeout_s) if timeout_s is not None else _positive_from_env(
+            COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, 'seconds')
         if not self.timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
         self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else _positive_from_env(

@@ -322,16 +322,23 @@ def _class(ranges) -> str:
     return '[' + ''.join(_char(lo) if lo == hi else f'{_char(lo)}-{_char(hi)}' for lo, hi in ranges) + ']'
 
 
+def _rule_lines(accepting, transitions, names, options) -> list[str]:
+    """Rules ``names[i] ::= ...``, one per state: ``""`` where the state accepts, then ``options(moves, names)``."""
+    return [f'{names[i]} ::= ' + ' | '.join((['""'] if accepting[i] else []) + options(moves, names))
+            for i, moves in enumerate(transitions)]
+
+
+def _plain_options(moves, names) -> list[str]:
+    """Each target's character ranges as one class, every character written as itself."""
+    by_target: dict = {}
+    for lo, hi, t in moves:
+        by_target.setdefault(t, []).append((lo, hi))
+    return [f'({_class(r)} {names[t]})' for t, r in by_target.items()]
+
+
 def _print(accepting, transitions) -> str:
     names = ['root'] + [f's{i}' for i in range(1, len(accepting))]
-    lines = []
-    for i, moves in enumerate(transitions):
-        by_target: dict = {}
-        for lo, hi, t in moves:
-            by_target.setdefault(t, []).append((lo, hi))
-        options = (['""'] if accepting[i] else []) + [f'({_class(r)} {names[t]})' for t, r in by_target.items()]
-        lines.append(f'{names[i]} ::= ' + ' | '.join(options))
-    return '\n'.join(lines) + '\n'
+    return '\n'.join(_rule_lines(accepting, transitions, names, _plain_options)) + '\n'
 
 
 def _automaton(regex: str, *, loops_only: bool, max_nfa_states: int = MAX_NFA_STATES):
@@ -447,22 +454,18 @@ def _json_escape(code: int) -> str:
     return f'{_class([(0x5c, 0x5c)])} [u] ' + ' '.join(hex_digits)
 
 
-def _print_json_string(accepting, transitions, names) -> list[str]:
-    """Rules ``names[i] ::= ...`` of the automaton's language written inside a JSON string: a character that JSON
-    must escape as its escape, every other character as itself."""
-    lines = []
-    for i, moves in enumerate(transitions):
-        raw: dict = {}
-        escaped = []
-        for lo, hi, t in moves:
-            for a, b in ((lo, min(hi, 0x21)), (max(lo, 0x23), min(hi, 0x5b)), (max(lo, 0x5d), hi)):
-                if a <= b and b >= 0x20:
-                    raw.setdefault(t, []).append((max(a, 0x20), b))
-            escaped.extend((code, t) for code in range(lo, min(hi, 0x5c) + 1) if code < 0x20 or code in (0x22, 0x5c))
-        options = (['""'] if accepting[i] else []) + [f'({_class(r)} {names[t]})' for t, r in raw.items()]
-        options += [f'({_json_escape(code)} {names[t]})' for code, t in escaped]
-        lines.append(f'{names[i]} ::= ' + ' | '.join(options))
-    return lines
+def _json_string_options(moves, names) -> list[str]:
+    """Each target's character ranges inside a JSON string: a character JSON must escape (a control character, the
+    quote, the backslash) as its escape, every other character as itself."""
+    raw: dict = {}
+    escaped = []
+    for lo, hi, t in moves:
+        for a, b in ((lo, min(hi, 0x21)), (max(lo, 0x23), min(hi, 0x5b)), (max(lo, 0x5d), hi)):
+            if a <= b and b >= 0x20:
+                raw.setdefault(t, []).append((max(a, 0x20), b))
+        escaped.extend((code, t) for code in range(lo, min(hi, 0x5c) + 1) if code < 0x20 or code in (0x22, 0x5c))
+    return ([f'({_class(r)} {names[t]})' for t, r in raw.items()]
+            + [f'({_json_escape(code)} {names[t]})' for code, t in escaped])
 
 
 #: Keywords whose values are instances, not schemas: a ``pattern`` key inside them is data.
@@ -525,7 +528,7 @@ def _strings(node, found: set) -> set:
 def _regex_rule(pattern: str) -> str | None:
     """The right-hand side of the one rule xgrammar writes for ``pattern`` in a JSON schema's grammar with its regex
     automaton (``Regex("...", json_string=true)``), or None where it writes rules of its own (a pattern with
-    characters beyond ASCII or a ``\\p{...}`` class) or refuses the pattern."""
+    characters beyond ASCII) or refuses the pattern (a ``\\p{...}`` class, an invalid regex)."""
     try:
         text = str(xgr.Grammar.from_json_schema(json.dumps({'type': 'string', 'pattern': pattern})))
     except RuntimeError:
@@ -541,7 +544,7 @@ def exact_pattern_automaton(pattern: str):
 
     Not exact: a pattern xgrammar reads with its regex automaton where the automaton accepts a string the pattern does
     not (:func:`pattern_counterexample`), and a pattern xgrammar writes as rules of ``from_regex`` (characters beyond
-    ASCII, ``\\p{L}``): those rules take the quote, the backslash and control characters as themselves inside the
+    ASCII): those rules take the quote, the backslash and control characters as themselves inside the
     JSON string (``^.+é$`` accepts ``"a"é"``, not JSON) and, with nested quantifiers, cost more per token the
     longer the string. None also where the automaton has more than :data:`MAX_PROBED_NFA_STATES` or
     :data:`MAX_DFA_STATES` states, or constructs this module leaves to xgrammar.
@@ -567,9 +570,8 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
     The rules accept a string exactly when its value matches the pattern (``from_regex``'s reading of it, a
     whole-string match, as xgrammar's), each character written as itself or, where JSON must escape it, with its
     short escape (``\\n``, ``\\"``) or ``\\u00XX`` (as ``json.dumps(..., ensure_ascii=False)`` writes them), one
-    rule per state: flat
-    cost per token. Each such pattern is swapped in the schema for a placeholder pattern whose rule xgrammar writes
-    on one line, then that line is replaced.
+    rule per state, so a mask costs the same however long the string. Each such pattern is swapped in the schema for
+    a placeholder pattern whose rule xgrammar writes on one line, then that line is replaced.
     """
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
@@ -606,7 +608,7 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
             prefix += '_'
         states = [name] + [f'{prefix}{i}' for i in range(1, len(accepting))]
         names.update(states)
-        out.extend(_print_json_string(accepting, transitions, states))
+        out.extend(_rule_lines(accepting, transitions, states, _json_string_options))
     return '\n'.join(out) + '\n'
 
 
