@@ -6,9 +6,9 @@ same tokens as guided decoding without speculation on one rank; the per-rank dra
 requests no rank process holds grammar state for a finished session (asked of each rank process with
 ``ranks.call_ranks``), and the same check sees the state left behind when the cleanup is switched off.
 
-``dp=2`` (two engines, one rank each, MLP tensor-parallel across them): one rank idle while the other serves guided
-and unguided requests, without speculation and with ``eagle3``, ``deepseek_mtp`` and ``grammar``; the idle rank runs
-lmdeploy's dummy forwards, and greedy output equals one rank's guided decoding without speculation.
+``dp=2`` (two engines, one rank each, MLP tensor-parallel across them), with ``eagle3`` and ``grammar``: one rank idle
+(running lmdeploy's dummy forwards) while the other serves guided and unguided requests, then both serving at once,
+each its own mix; greedy output equals one rank's guided decoding without speculation.
 
 Each test starts its engines itself (their ranks are processes of their own) and closes them; the start-up time is
 printed (``-s``).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 
@@ -25,6 +26,7 @@ import server_traffic as traffic
 from e2e_helpers import (
     ENGINE_KWARGS,
     PERSON,
+    Output,
     banned_tokens_and_dead_ends,
     check_valid,
     free_port,
@@ -392,9 +394,10 @@ def test_tp2_server_traffic(cpu_path, method, tmp_path):
         stop_server(proc)
 
 
-# the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: serves nothing until stdin closes
-_IDLE_RANK = """
-import sys
+# the engine of dp rank 1, in a process of its own as lmdeploy's launcher runs it: each line on stdin asks it for one
+# round of its own traffic (answered on stdout), and it closes when stdin closes
+_RANK_1 = """
+import json, sys
 from lmdeploy_guided_spec import cpu
 cpu.activate()
 sys.path.insert(0, sys.argv[1])
@@ -402,9 +405,35 @@ import test_ranks
 method, draft = (sys.argv[3] or None), (sys.argv[4] or None)
 pipe = test_ranks._pipeline(sys.argv[2], tp=2, dp=2, dp_rank=1, method=method, draft=draft)
 print('ready', flush=True)
-sys.stdin.read()
+for _ in sys.stdin:
+    print('served ' + json.dumps(test_ranks.rank_1_traffic(pipe)), flush=True)
 pipe.close()
 """
+
+# dp rank 1's own traffic, other prompts and lengths than dp rank 0's, so the two ranks prefill, decode and finish at
+# different steps: a greedy guided row, a sampled guided row, an unguided row, a regex, a short one
+RANK_1_FORMATS = [response_format('json_schema', schema=ITEM), response_format('json_schema'), None,
+                  response_format('regex_schema'), response_format('json_schema', schema=ITEM)]
+RANK_1_PROMPTS = ['One order line, please.', 'A customer, please.', 'Name a river and its length.',
+                  'Write an order code.', 'Another order line.']
+
+
+def _rank_1_configs():
+    return [gen_config(RANK_1_FORMATS[0], max_new_tokens=40), gen_config(RANK_1_FORMATS[1], sampling=True, seed=7),
+            gen_config(None, max_new_tokens=24), gen_config(RANK_1_FORMATS[3], max_new_tokens=32),
+            gen_config(RANK_1_FORMATS[4], max_new_tokens=9)]
+
+
+def rank_1_traffic(pipe) -> dict:
+    """One round on dp rank 1 (in its process): the batch of :data:`RANK_1_PROMPTS`, then the batch of banned tokens
+    and dead ends. Returns the outputs, or the error that stopped the round."""
+    import traceback
+    try:
+        outputs = generate(pipe, RANK_1_PROMPTS, _rank_1_configs())
+        banned_tokens_and_dead_ends(pipe)
+    except BaseException:  # noqa: BLE001 - reported to the test in the other process
+        return {'error': traceback.format_exc()}
+    return {'outputs': [[out.text, out.token_ids, out.finish_reason] for out in outputs]}
 
 
 class DPEngines:
@@ -413,72 +442,105 @@ class DPEngines:
     together. ``env`` goes to both (their rank processes inherit it)."""
 
     def __init__(self, target: str, method: str | None, draft: str | None, env: dict | None = None):
+        import queue
         import subprocess
         import sys
         import threading
         env = {**(env or {}), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
         with _environ(env):
-            self.idle = subprocess.Popen([sys.executable, '-c', _IDLE_RANK, os.path.dirname(__file__), target,
-                                          method or '', draft or ''], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
+            self.rank_1 = subprocess.Popen([sys.executable, '-c', _RANK_1, os.path.dirname(__file__), target,
+                                            method or '', draft or ''], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True)
             try:
                 self.pipe = _pipeline(target, tp=2, dp=2, dp_rank=0, method=method, draft=draft)
             except BaseException:
-                self.idle.kill()
+                self.rank_1.kill()
                 raise
         lines = []
-        for line in self.idle.stdout:
+        for line in self.rank_1.stdout:
             if line.strip() == 'ready':
                 break
             lines.append(line)
         else:
             raise RuntimeError(f'the engine of dp rank 1 did not start: {"".join(lines)}')
-        # keep its output flowing (a full pipe would block the process that writes it)
-        self._drain = threading.Thread(target=lambda: [None for _ in self.idle.stdout], daemon=True)
+        # keep its output flowing (a full pipe would block the process that writes it); its answers go to a queue
+        self._served: queue.Queue = queue.Queue()
+
+        def drain():
+            for line in self.rank_1.stdout:
+                if line.startswith('served '):
+                    self._served.put(json.loads(line[len('served '):]))
+        self._drain = threading.Thread(target=drain, daemon=True)
         self._drain.start()
+
+    def serve_on_rank_1(self) -> None:
+        """Start one round of :func:`rank_1_traffic` on dp rank 1; :meth:`rank_1_served` waits for its outputs."""
+        self.rank_1.stdin.write('serve\n')
+        self.rank_1.stdin.flush()
+
+    def rank_1_served(self, timeout: float = 300) -> list:
+        answer = self._served.get(timeout=timeout)
+        assert 'error' not in answer, answer['error']
+        return [Output(text, ids, reason) for text, ids, reason in answer['outputs']]
 
     def close(self) -> None:
         """Close both engines together: a rank waits in a collective for its peer until the peer is gone."""
-        self.idle.stdin.close()
+        self.rank_1.stdin.close()
         self.pipe.close()
-        assert self.idle.wait(timeout=120) == 0
+        assert self.rank_1.wait(timeout=120) == 0
 
 
 # a draft-model method and the draft-free one: each dp=2 start costs minutes on two cores, and deepseek_mtp and
 # no speculation take the same paths through the dummy forwards as eagle3 (they passed when last run by hand)
 @pytest.mark.parametrize('method', ['eagle3', 'grammar'])
-def test_dp2_idle_rank(engines, method, tmp_path):
+def test_dp2_idle_rank_then_both_serve(engines, method, tmp_path):
     """dp rank 1 gets no request (its engine runs lmdeploy's dummy forwards) while dp rank 0 serves guided and
-    unguided requests, twice: everything finishes, guided output validates, and greedy output equals guided decoding
+    unguided requests: everything finishes, guided output validates, and greedy output equals guided decoding
     without speculation on one rank. Then a batch of grammars that meet banned tokens or a dead end, sampled and
-    greedy: the dead ends fail their own requests and the engines go on. With speculation the draft log shows dp
-    rank 1 running dummy steps only."""
+    greedy: the dead ends fail their own requests and the engines go on. Then both dp ranks serve at once, each its
+    own mix (other prompts, lengths and dead ends on dp rank 1, so one rank prefills or idles while the other
+    decodes, and their speculative steps meet in the same collectives): the same checks on both. The draft log shows
+    dp rank 1 running dummy steps only in the first part, and speculative steps of its own in the last."""
     target, draft = METHODS.get(method, ('tiny-llama', None))
     formats = [response_format('json_schema'), None, response_format('regex_schema'),
                response_format('json_schema', schema=ITEM)]
     configs = [gen_config(f, max_new_tokens=48) for f in formats]
     prompts = ['Describe a person as JSON.', 'Hello!', 'Write an order code.', 'One order line, please.']
-    reference = generate(engines(target, spec=False), prompts, configs)
+    one_rank = engines(target, spec=False)
+    reference = generate(one_rank, prompts, configs)
+    reference_1 = generate(one_rank, RANK_1_PROMPTS, _rank_1_configs())
+
+    def check(outputs, references, formats, sampled=()):
+        for i, (out, ref, fmt) in enumerate(zip(outputs, references, formats)):
+            assert out.finish_reason in ('stop', 'length'), out
+            if i not in sampled:
+                assert out.token_ids == ref.token_ids, (out.text, ref.text)
+            if fmt is not None and out.finish_reason == 'stop':
+                check_valid(out.text, fmt)
+
     start = time.perf_counter()
     dp = DPEngines(target, method, draft, env={ranks.DRAFT_LOG_ENV: str(tmp_path)})
     print(f'\n[dp=2 {method}] engines start-up {time.perf_counter() - start:.1f} s')
     try:
-        for _ in range(2):
-            outputs = generate(dp.pipe, prompts, configs)
-            for out, ref, fmt in zip(outputs, reference, formats):
-                assert out.finish_reason in ('stop', 'length'), out
-                assert out.token_ids == ref.token_ids, (out.text, ref.text)
-                if fmt is not None and out.finish_reason == 'stop':
-                    check_valid(out.text, fmt)
+        check(generate(dp.pipe, prompts, configs), reference, formats)
         # then rows whose grammar meets banned tokens or a dead end beside sampled ones, while dp rank 1 runs dummy
         # forwards in the same collectives: each dead end fails its own request, dp rank 0 goes on serving
         banned_tokens_and_dead_ends(dp.pipe)
+        idle_steps = len(ranks.read_draft_logs(tmp_path).get(1, []))
+        # then both ranks serve at once
+        dp.serve_on_rank_1()
+        check(generate(dp.pipe, prompts, configs), reference, formats)
+        banned_tokens_and_dead_ends(dp.pipe)
+        check(dp.rank_1_served(), reference_1, RANK_1_FORMATS, sampled=(1,))
     finally:
         dp.close()
     if method is not None:
         logs = ranks.read_draft_logs(tmp_path)
         drafts = {r: [rec for rec in recs if rec['kind'] == 'draft'] for r, recs in logs.items()}
-        assert drafts.get(1) and all(rec['dummy'] for rec in drafts[1]), 'dp rank 1 ran other than dummy steps'
-        assert any(not rec['dummy'] for rec in drafts.get(0, [])), 'dp rank 0 ran no speculative step'
-        print(f'[dp=2 {method}] dp rank 0: {sum(not rec["dummy"] for rec in drafts[0])} speculative steps; '
-              f'dp rank 1: {len(drafts[1])} dummy steps')
+        idle = [rec for rec in logs[1][:idle_steps] if rec['kind'] == 'draft']
+        assert idle and all(rec['dummy'] for rec in idle), 'dp rank 1 ran other than dummy steps while idle'
+        for r in (0, 1):
+            assert any(not rec['dummy'] for rec in drafts.get(r, [])), f'dp rank {r} ran no speculative step'
+        print(f'[dp=2 {method}] speculative (dummy) steps: ' + ', '.join(
+            f'dp rank {r} {sum(not rec["dummy"] for rec in drafts[r])} ({sum(rec["dummy"] for rec in drafts[r])})'
+            for r in (0, 1)))
