@@ -26,6 +26,7 @@ _EXPORTS = {
     'GuidedFieldError': 'errors',
     'response_format_from_fields': 'guided_fields',
     'unenforced_keywords': 'unenforced',
+    'depth_error': 'depth',
     'GrammarCompileService': 'compile',
     'SpecGrammarManager': 'manager',
     'SpecCounts': 'report',
