@@ -93,18 +93,24 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
     ----------
     response_format : dict
         A response format as lmdeploy takes it (``{"type": "json_schema", "json_schema": {"schema": ...}}``, the
-        schema an object or a JSON string); other types, and shapes the entry check refuses on other grounds, yield
-        None.
+        schema an object or a JSON string, under ``schema`` or ``json_schema``, or ``json_schema`` itself); other
+        types, and shapes the entry check refuses on other grounds, yield None.
     limit : int, optional
         The deepest nesting allowed; by default :func:`max_depth`.
     """
     if not isinstance(response_format, dict) or response_format.get('type') != 'json_schema':
         return None
-    json_schema = response_format.get('json_schema')
-    if not isinstance(json_schema, dict) or 'schema' not in json_schema:
+    # where lmdeploy reads the schema: json_schema.json_schema, json_schema.schema, or json_schema itself
+    schema = response_format.get('json_schema')
+    if isinstance(schema, dict):
+        for key in ('json_schema', 'schema'):
+            if key in schema:
+                schema = schema[key]
+                break
+    if not isinstance(schema, (dict, list, str)):
         return None
     limit = max_depth() if limit is None else limit
-    depth = nesting_depth(json_schema['schema'], stop_after=limit)
+    depth = nesting_depth(schema, stop_after=limit)
     if depth <= limit:
         return None
     return (f'the json_schema nests objects and arrays more than {limit} levels deep (the limit, set by '

@@ -108,6 +108,14 @@ def _json_schema(schema, **extra) -> dict:
     return {'type': 'json_schema', 'json_schema': {'name': 'e2e', 'schema': schema, **extra}}
 
 
+def _nested(levels: int) -> dict:
+    """``levels`` arrays, each the items of the one around it (2 levels of JSON each)."""
+    schema = {'type': 'integer'}
+    for _ in range(levels):
+        schema = {'type': 'array', 'items': schema}
+    return schema
+
+
 def _ask(client, max_tokens=64, **kwargs) -> str:
     c, model = client
     choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Answer, please.'}],
@@ -143,6 +151,10 @@ BAD = {
     'schema without instances': (dict(response_format=_json_schema({'$defs': {'a': {'$ref': '#/$defs/a'}},
                                                                      '$ref': '#/$defs/a'})),
                                  'response_format', 'admits no instance'),
+    'schema nested past the limit': (dict(response_format=_json_schema(_nested(65))), 'response_format',
+                                     'LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH'),
+    'guided_json nested past the limit': (dict(extra_body={'guided_json': _nested(65)}), 'guided_json',
+                                          'LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH'),
     'strict schema with an unenforced keyword': (dict(response_format=_json_schema(UNENFORCED, strict=True)),
                                                  'response_format', 'not at #/properties/age'),
     'vLLM guided_grammar': (dict(extra_body={'guided_grammar': 'root ::= "a"'}), 'guided_grammar',

@@ -9,6 +9,7 @@ string schema is refused before the engine (7); raw logprobs of guided requests 
 import asyncio
 import json
 import math
+import time
 
 import openai
 import pytest
@@ -69,6 +70,16 @@ def test_hostile_requests(server):
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=model, messages=messages, response_format=as_string, max_tokens=96)
     assert 400 <= refused.value.status_code < 500
+    # a schema of 400 nested objects: refused at once with the limit (its entry check took 46 s, then lmdeploy's copy
+    # of the request failed)
+    deep = {'type': 'string'}
+    for _ in range(400):
+        deep = {'type': 'object', 'properties': {'a': deep}, 'required': ['a']}
+    start = time.perf_counter()
+    with pytest.raises(openai.BadRequestError, match='LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH'):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=32, response_format={
+            'type': 'json_schema', 'json_schema': {'name': 'deep', 'schema': deep}})
+    assert time.perf_counter() - start < 10
     # a regex whose masks cost over a second per token (it held up every request at every step): refused with the
     # cost and the limit (HTTP 400)
     slow = {'type': 'regex_schema', 'regex_schema': '([a-z]+ ?){1,300}'}

@@ -84,7 +84,13 @@ def test_other_formats_and_shapes_are_left_to_the_entry_check():
     assert depth_error(None) is None
     assert depth_error({'type': 'regex_schema', 'regex_schema': '(' * 500 + 'a' + ')' * 500}) is None
     assert depth_error({'type': 'json_schema'}) is None
-    assert depth_error({'type': 'json_schema', 'json_schema': 'not an object'}) is None
+    assert depth_error({'type': 'json_schema', 'json_schema': 7}) is None
+
+
+def test_the_schema_is_found_where_lmdeploy_reads_it():
+    deep = _chain(40)
+    for json_schema in ({'name': 'a', 'schema': deep}, {'name': 'a', 'json_schema': deep}, deep, json.dumps(deep)):
+        assert depth_error({'type': 'json_schema', 'json_schema': json_schema}) is not None, json_schema
 
 
 def test_the_limit_comes_from_the_environment(monkeypatch):
