@@ -3,15 +3,16 @@
 xgrammar's conversion of a JSON schema costs about the cube of its nesting depth: a chain of 100 nested objects
 takes 0.5 s, 200 take 5 s, 400 take 46 s (in xgrammar 0.2.8, on one core). The entry check converts the schema where
 the request enters, in the serving process with no time limit, and lmdeploy copies the request's generation config
-with Python's recursive ``deepcopy``, which fails past about 300 such levels after the conversion has run. The 120
+with Python's recursive ``deepcopy``, which fails from about 250 nested objects, after the conversion has run. The 120
 real-world schemas of ``data/jsonschemabench`` nest at most 22 levels of JSON objects and arrays.
 
 :func:`depth_error` names a ``json_schema`` whose schema nests deeper than ``LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH``
-levels (64 by default) of objects and arrays, counted without recursion (a schema given as a JSON string is scanned,
-not parsed), so that the request is refused at once with its depth and the limit.
+levels (64 by default, about 32 nested objects) of objects and arrays, counted without recursion (a schema given as a
+JSON string is scanned, not parsed), so that the request is refused at once with the limit.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 __all__ = ['DEFAULT_MAX_DEPTH', 'MAX_DEPTH_ENV', 'depth_error', 'max_depth', 'nesting_depth']
@@ -65,10 +66,15 @@ def _text_depth(text: str, stop_after: int | None) -> int:
 def nesting_depth(value, stop_after: int | None = None) -> int:
     """The nesting depth of the objects (dicts) and arrays (lists, tuples) in ``value``; of those written in it
     where ``value`` is a JSON string. ``{}`` and ``[]`` count 1, anything else 0. With ``stop_after``, counting stops
-    once the depth is past it (a result above ``stop_after`` is then a lower bound)."""
+    once the depth is past it (a result above ``stop_after`` is then a lower bound), and an object that contains
+    itself counts as deeper than that; without it, such an object raises ``ValueError``.
+
+    An object reached along several paths (a Python object may share its parts) is walked again only from a deeper
+    place than before, so the cost stays within the number of objects times the depth."""
     if isinstance(value, str):
         return _text_depth(value, stop_after)
     deepest = 0
+    walked: dict[int, int] = {}  # id of an object or array -> the deepest place it was walked from
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -78,10 +84,16 @@ def nesting_depth(value, stop_after: int | None = None) -> int:
             children = node
         else:
             continue
+        if walked.get(id(node), 0) >= depth:
+            continue
+        walked[id(node)] = depth
         if depth > deepest:
             deepest = depth
             if stop_after is not None and deepest > stop_after:
                 break
+            if stop_after is None and deepest > len(walked):
+                # deeper than the number of distinct objects: a path passes one twice
+                raise ValueError('the value contains itself')
         stack.extend((child, depth + 1) for child in children)
     return deepest
 
@@ -109,9 +121,25 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
                 break
     if not isinstance(schema, (dict, list, str)):
         return None
-    limit = max_depth() if limit is None else limit
+    limit = _limit() if limit is None else limit
     depth = nesting_depth(schema, stop_after=limit)
     if depth <= limit:
         return None
-    return (f'the json_schema nests objects and arrays more than {limit} levels deep (the limit, set by '
-            f'{MAX_DEPTH_ENV}); its grammar would take minutes to build')
+    return (f'the json_schema nests objects and arrays more than {limit} levels deep (a nested object takes two: '
+            f'"properties" and its schema; the limit is set by {MAX_DEPTH_ENV}): the grammar of a schema costs about '
+            'the cube of its depth to build')
+
+
+_warned: set[str] = set()
+
+
+def _limit() -> int:
+    """:func:`max_depth`; a malformed variable is the server's setting, not the request's fault: it is logged once
+    and the default applies."""
+    try:
+        return max_depth()
+    except ValueError as err:
+        if str(err) not in _warned:
+            _warned.add(str(err))
+            logging.getLogger(__name__).warning('%s; using the default, %d', err, DEFAULT_MAX_DEPTH)
+        return DEFAULT_MAX_DEPTH

@@ -38,7 +38,7 @@ class _Unsupported(ValueError):
 
 
 # expression nodes: ('lit',), ('none',) (a character class that matches nothing), ('ref', name), ('seq', [nodes]),
-# ('alt', [nodes]), ('opt', node) (may be skipped), ('req', node) (at least once)
+# ('alt', [nodes]), ('opt', node) (may be skipped)
 def _skip_quoted(text: str, i: int, close: str) -> int:
     i += 1
     while i < len(text):

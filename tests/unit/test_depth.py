@@ -98,7 +98,38 @@ def test_the_limit_comes_from_the_environment(monkeypatch):
     assert max_depth() == 4
     assert depth_error(_format(_chain(1))) is None
     assert 'more than 4 levels' in depth_error(_format(_chain(2)))
-    for bad in ('0', '-1', 'deep'):
+    for bad in ('0', '-1', 'deep', '1e3'):
         monkeypatch.setenv(MAX_DEPTH_ENV, bad)
         with pytest.raises(ValueError, match=MAX_DEPTH_ENV):
             max_depth()
+
+
+def test_a_malformed_limit_is_the_servers_setting_not_the_requests_fault(monkeypatch, caplog):
+    """Read at every request: a malformed value is logged once and the default applies (it raised out of the entry
+    check, an HTTP 400 blaming the client on 0.18.0, an unanswered pipeline call on 0.14.0)."""
+    monkeypatch.setenv(MAX_DEPTH_ENV, '1e3')
+    with caplog.at_level('WARNING'):
+        assert depth_error(_format(_chain(31))) is None
+        assert depth_error(_format(_chain(32))) is not None
+    assert [r.getMessage() for r in caplog.records if MAX_DEPTH_ENV in r.getMessage()] == [
+        f"{MAX_DEPTH_ENV}='1e3' is not an integer; using the default, {DEFAULT_MAX_DEPTH}"]
+
+
+def test_shared_and_cyclic_objects():
+    """A Python object may share its parts, or contain itself: each part is walked again only from a deeper place
+    (sharing both children of 40 levels of pairs took forever), and an object that contains itself is deeper than
+    any limit."""
+    node: dict = {'type': 'string'}
+    for _ in range(40):
+        node = {'anyOf': [node, node]}
+    start = time.perf_counter()
+    assert nesting_depth(node) == 81
+    assert time.perf_counter() - start < 1
+    loop: dict = {'type': 'object', 'properties': {}}
+    loop['properties']['self'] = loop
+    assert depth_error(_format(loop)) is not None
+    with pytest.raises(ValueError, match='contains itself'):
+        nesting_depth(loop)
+    # a part shared at a shallow and a deep place counts at the deep one
+    leaf = [[[]]]
+    assert nesting_depth({'a': leaf, 'b': {'c': {'d': leaf}}}) == 6
