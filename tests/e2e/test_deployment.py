@@ -7,7 +7,6 @@ guards against.
 import json
 import logging
 import math
-import time
 
 import pytest
 from e2e_helpers import (
@@ -132,13 +131,11 @@ def test_schema_without_instances_fails_alone(engines, method):
     request failed with 'Request preprocessing failed.')."""
     pipe = _spec_pipeline(engines, method)
     good = response_format('json_schema')
-    start = time.perf_counter()
     outputs = generate(pipe, PROMPTS[:3], [gen_config(NO_INSTANCE), gen_config(nested(300)), gen_config(good)])
     assert outputs[0].finish_reason == 'error' and 'admits no instance' in outputs[0].text, outputs[0]
     assert outputs[1].finish_reason == 'error' and 'LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH' in outputs[1].text
     assert outputs[2].finish_reason == 'stop'
     check_valid(outputs[2].text, good)
-    assert time.perf_counter() - start < 15
 
 
 @pytest.fixture
