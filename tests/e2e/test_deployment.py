@@ -13,6 +13,7 @@ from e2e_helpers import (
     METHODS,
     PERSON,
     PROMPTS,
+    Output,
     banned_tokens_and_dead_ends,
     check_valid,
     draft_free_pipeline,
@@ -76,6 +77,61 @@ def test_json_schema_given_as_a_string(engines, spec):
         assert out.finish_reason == 'stop', out
         check_valid(out.text, as_dict)
     assert outputs[0].token_ids == outputs[1].token_ids
+
+
+# the turns of one chat session: formats change, the same format follows itself, an unguided turn in between; then
+# a turn whose stream the client stops reading after two chunks, and turns after it
+CHAT_TURNS = [response_format('regex_schema'), response_format('json_schema'), response_format('json_schema'),
+              response_format('regex_schema', regex='[a-z]{5}'), None, response_format('json_schema')]
+AFTER_A_STOPPED_TURN = [response_format('json_schema'), response_format('regex_schema')]
+
+
+def _chat(pipe, formats, *, stop_reading: int | None = None) -> list[Output]:
+    """One ``pipeline.chat`` session, a turn per format; the turn at index ``stop_reading`` is streamed and left
+    after two chunks (no output). The session is closed after the last turn."""
+    session, turns = None, []
+    try:
+        for i, fmt in enumerate(formats):
+            options = dict(max_new_tokens=64) if fmt is not None else dict(max_new_tokens=16, ignore_eos=True)
+            config = gen_config(fmt, **options)
+            if i == stop_reading:
+                session = session or pipe.session()
+                chunks = pipe.chat('Give me a record.', session=session, gen_config=config, stream_response=True)
+                for n, _ in enumerate(chunks, 1):
+                    if n == 2:
+                        break
+                chunks.close()
+                continue
+            session = pipe.chat('Give me a record.', session=session, gen_config=config)
+            response = session.response
+            turns.append(Output(response.text, list(response.token_ids or []), response.finish_reason))
+    finally:
+        if session is not None:
+            session.close()
+    return turns
+
+
+@pytest.mark.parametrize('method', ['eagle3', 'grammar'])
+def test_each_turn_of_a_chat_session_has_its_own_grammar(engines, method):
+    """Defects: ``pipeline.chat`` on lmdeploy 0.14.0 continues the session's sequence for the next turn.
+    - The session's grammar state outlived the turn: every later turn ran on the first turn's finished matcher,
+      ending at once with guided decoding and running unguided with guided speculative decoding.
+    - Speculative decoding dropped the token the last turn left to forward: the turn began with the prompt's last
+      word and lost its first token; after a turn the client stopped reading, the input went after its drafts.
+    """
+    pipe = _spec_pipeline(engines, method)
+    turns = _chat(pipe, CHAT_TURNS)
+    reference = _chat(engines(_target(method), spec=False), CHAT_TURNS)
+    for i, (turn, ref, fmt) in enumerate(zip(turns, reference, CHAT_TURNS)):
+        if fmt is not None:
+            assert turn.finish_reason == 'stop', (i, turn)
+            check_valid(turn.text, fmt)
+        assert turn.text == ref.text, (i, turn, ref)
+    # what the stopped turn left in the session depends on when the stop arrived: no reference to compare with
+    formats = CHAT_TURNS[:2] + AFTER_A_STOPPED_TURN
+    for turn, fmt in zip(_chat(pipe, formats, stop_reading=1), formats[:1] + formats[2:]):
+        assert turn.finish_reason == 'stop', turn
+        check_valid(turn.text, fmt)
 
 
 def test_engines_of_one_process_keep_their_own_grammar_state(engines):
