@@ -384,14 +384,25 @@ class SpecGrammarManager:
         return functools.partial(self.guesses.window, dict(matchers), session_ids, prompt_ids, num_spec_tokens)
 
     def forget(self, session_ids: Sequence[int]) -> None:
-        """Drop kept windows and failures of finished sessions."""
+        """Drop kept windows and failures of finished sessions, also the failures of commits queued before (a
+        session id comes back: ``pipeline.chat`` reuses it for the next turn)."""
+        session_ids = list(session_ids)
         with self._failures_lock:
             for session_id in session_ids:
                 self._windows.pop(session_id, None)
+        self._drop_failures(session_ids)
+        # after the commits queued before
+        self.worker.submit(self._forget_queued, session_ids)
+
+    def _drop_failures(self, session_ids: list[int]) -> None:
+        with self._failures_lock:
+            for session_id in session_ids:
                 self._failures.pop(session_id, None)
+
+    def _forget_queued(self, session_ids: list[int]) -> None:
+        self._drop_failures(session_ids)
         if self.guesses is not None:
-            # after the commits queued before
-            self.worker.submit(self.guesses.forget, list(session_ids))
+            self.guesses.forget(session_ids)
 
     def forced_counts(self, session_ids: Sequence[int]) -> list[int]:
         """Per batch row, the draft tokens of its kept window (the one drafted last) that the grammar forced.

@@ -2,6 +2,7 @@
 import functools
 import json
 import random
+import threading
 
 import jsonschema
 import pytest
@@ -171,6 +172,27 @@ def test_failures_name_the_token_and_the_count(llama3, new_matcher):
     manager.commit({0: new_matcher(compiled)}, [[bad]], session_ids=[78])
     manager.forget([78])
     assert manager.failures() == {}
+
+
+def test_a_commit_queued_before_its_session_ends_leaves_no_failure(llama3, new_matcher):
+    """A session id comes back (``pipeline.chat`` reuses it for the next turn): a failure of a commit queued before
+    the session ended must not fail the request that reuses the id."""
+    compiled = compile_schema(llama3, SCHEMAS['person'])
+    path = _path(llama3, dumps(INSTANCES['person'][0]))
+    bad = int((~testing.allowed_tokens(_state_after(new_matcher, compiled, path[:2]), 128256)).nonzero()[0])
+    manager = SpecGrammarManager(128256, worker=GrammarWorker())
+    busy = threading.Event()
+    manager.submit(busy.wait, 30)
+    future = manager.commit_async({0: new_matcher(compiled)}, [path[:2] + [bad]], session_ids=[79])
+    manager.forget([79])
+    busy.set()
+    assert future.result(timeout=30) == {0: 2}
+    manager.submit(lambda: None).result(timeout=30)
+    assert manager.failures() == {}
+    # the session's next request commits and fails as its own
+    manager.commit({0: new_matcher(compiled)}, [[bad]], session_ids=[79])
+    assert list(manager.pop_failures()) == [79]
+    manager.worker.shutdown()
 
 
 @pytest.mark.parametrize('name', ['llama3', 'qwen3'])
