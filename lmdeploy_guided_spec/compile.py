@@ -36,6 +36,7 @@ from typing import Any
 import xgrammar as xgr
 
 from . import regular
+from .env import positive_from_env
 from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
 
 __all__ = [
@@ -93,19 +94,6 @@ def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) ->
     if eos is not None:
         ids.add(int(eos))
     return sorted(t for t in ids if 0 <= t < vocab_size)
-
-
-def _positive_from_env(name: str, default: float, unit: str) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f'{name}={raw!r} is not a number of {unit}') from None
-    if not value > 0:
-        raise ValueError(f'{name}={raw!r} must be a positive number of {unit}')
-    return value
 
 
 def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit_s: float | None = None,
@@ -294,12 +282,12 @@ class GrammarCompileService:
         else:
             self._info = tokenizer_info
             self._info_json = tokenizer_info.serialize_json()
-        self.timeout_s = float(timeout_s) if timeout_s is not None else _positive_from_env(
-            COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, 'seconds')
+        self.timeout_s = float(timeout_s) if timeout_s is not None else positive_from_env(
+            COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, kind='a number of seconds')
         if not self.timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
-        self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else _positive_from_env(
-            MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, 'milliseconds')
+        self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else positive_from_env(
+            MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
         if not self.mask_limit_ms > 0:
             raise ValueError(f'mask_limit_ms must be positive, got {mask_limit_ms!r}')
         if cache_limit_bytes < 0:

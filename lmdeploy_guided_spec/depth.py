@@ -13,7 +13,8 @@ JSON string is scanned, not parsed), so that the request is refused at once with
 from __future__ import annotations
 
 import logging
-import os
+
+from .env import positive_from_env
 
 __all__ = ['DEFAULT_MAX_DEPTH', 'MAX_DEPTH_ENV', 'depth_error', 'max_depth', 'nesting_depth']
 
@@ -26,16 +27,7 @@ DEFAULT_MAX_DEPTH = 64
 def max_depth() -> int:
     """``LMDEPLOY_GUIDED_SPEC_MAX_SCHEMA_DEPTH``, or :data:`DEFAULT_MAX_DEPTH`; raises ``ValueError`` naming the
     variable when it is not a positive integer."""
-    raw = os.environ.get(MAX_DEPTH_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_MAX_DEPTH
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f'{MAX_DEPTH_ENV}={raw!r} is not an integer') from None
-    if value < 1:
-        raise ValueError(f'{MAX_DEPTH_ENV}={raw!r} must be a positive integer')
-    return value
+    return positive_from_env(MAX_DEPTH_ENV, DEFAULT_MAX_DEPTH, parse=int, kind='an integer')
 
 
 def _text_depth(text: str, stop_after: int | None) -> int:
