@@ -7,6 +7,7 @@ guards against.
 import json
 import logging
 import math
+import time
 
 import pytest
 from e2e_helpers import (
@@ -101,10 +102,17 @@ def _chat(pipe, formats, *, stop_reading: int | None = None) -> list[Output]:
                     if n == 2:
                         break
                 chunks.close()
+                # lmdeploy ends the stopped request on its own event loop, and a turn sent before that fails with
+                # "Session N already has an active request" (lmdeploy 0.18's pipeline, with or without a grammar)
+                deadline = time.monotonic() + 30
+                while session._handle is not None and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 continue
             session = pipe.chat('Give me a record.', session=session, gen_config=config)
             response = session.response
-            turns.append(Output(response.text, list(response.token_ids or []), response.finish_reason))
+            # lmdeploy 0.18 gives a failed request's reason as error_message, 0.14 as the text
+            text = response.text or getattr(response, 'error_message', None) or ''
+            turns.append(Output(text, list(response.token_ids or []), response.finish_reason))
     finally:
         if session is not None:
             session.close()
@@ -132,6 +140,30 @@ def test_each_turn_of_a_chat_session_has_its_own_grammar(engines, method):
     for turn, fmt in zip(_chat(pipe, formats, stop_reading=1), formats[:1] + formats[2:]):
         assert turn.finish_reason == 'stop', turn
         check_valid(turn.text, fmt)
+
+
+# prompts longer than the prefill chunk (lmdeploy splits a prompt longer than max_prefill_token_num into chunks and
+# samples a token after each), beside short ones, every kind of row
+CHUNK = dict(max_prefill_token_num=64)
+LONG = ' '.join(PROMPTS) * 6
+
+
+@pytest.mark.parametrize('method', ['eagle3'])
+def test_prompts_prefilled_in_chunks(engines, method):
+    """Defect: without speculative decoding the grammar accepted the token sampled after every chunk of a long
+    prompt, which the engine drops: the JSON lost its first tokens (one per chunk but the last), silently."""
+    prompts = [LONG, PROMPTS[0], LONG + ' Again.', PROMPTS[1], LONG[:400]]
+    formats = [response_format('json_schema'), response_format('regex_schema'), response_format('json_schema'),
+               None, response_format('regex_schema')]
+    configs = [gen_config(fmt, max_new_tokens=64) if fmt is not None else
+               gen_config(None, max_new_tokens=16, ignore_eos=True) for fmt in formats]
+    reference = generate(engines(METHODS[method], spec=False, **CHUNK), prompts, configs)
+    outputs = generate(engines(METHODS[method], **CHUNK), prompts, configs)
+    for i, (out, ref, fmt) in enumerate(zip(outputs, reference, formats)):
+        if fmt is not None:
+            assert ref.finish_reason == 'stop', (i, ref)
+            check_valid(ref.text, fmt)
+        assert out.text == ref.text, (i, out, ref)
 
 
 def test_engines_of_one_process_keep_their_own_grammar_state(engines):
