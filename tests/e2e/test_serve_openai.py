@@ -249,6 +249,29 @@ def test_completions_take_guided_fields_and_response_format(client, extra_body, 
     _check(_complete(client, extra_body=extra_body), expected)
 
 
+@pytest.mark.parametrize('stream', [False, True], ids=['batch', 'stream'])
+@pytest.mark.parametrize('extra_body', [{'response_format': JSON_PERSON}, {'guided_json': PERSON}],
+                         ids=['response_format', 'vLLM guided_json'])
+def test_several_choices_each_follow_the_grammar(client, extra_body, stream):
+    """``n`` choices (lmdeploy 0.18 sends a request per choice, each with a copy of the body): every choice is an
+    instance, sampled."""
+    c, model = client
+    kwargs = dict(model=model, messages=[{'role': 'user', 'content': 'Describe a person as JSON.'}], n=3,
+                  max_tokens=96, temperature=1.0, extra_body=extra_body)
+    texts, reasons = {}, {}
+    if stream:
+        for chunk in c.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, '') + (choice.delta.content or '')
+                reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    else:
+        for choice in c.chat.completions.create(**kwargs).choices:
+            texts[choice.index], reasons[choice.index] = choice.message.content, choice.finish_reason
+    assert sorted(texts) == [0, 1, 2] and set(reasons.values()) == {'stop'}, (texts, reasons)
+    for text in texts.values():
+        check_valid(text, JSON_PERSON)
+
+
 def test_unenforced_keyword_without_strict_is_served_with_a_warning(client, server):
     text = _ask(client, response_format=_json_schema(UNENFORCED))
     # the rest of the schema holds
