@@ -24,6 +24,7 @@ _EXPORTS = {
     'GrammarCompileTimeout': 'errors',
     'GrammarCompilerUnavailable': 'errors',
     'GuidedFieldError': 'errors',
+    'xgrammar_reason': 'errors',
     'response_format_from_fields': 'guided_fields',
     'unenforced_keywords': 'unenforced',
     'depth_error': 'depth',

@@ -37,7 +37,7 @@ import xgrammar as xgr
 
 from . import regular
 from .env import positive_from_env
-from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout
+from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout, xgrammar_reason
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
@@ -171,7 +171,7 @@ def _child_main(fd: int, max_threads: int) -> None:
             # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up everyone
             cost, position = (0.0, 0) if mask_limit_s == float('inf') else mask_cost(grammar, limit_s=mask_limit_s)
         except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
-            conn.send(('error', f'{type(exc).__name__}: {exc}'.strip()))
+            conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}'))
             continue
         except Exception as exc:  # a fault of this package or of xgrammar, not of the source
             conn.send(('internal', f'{type(exc).__name__}: {exc}'.strip()))

@@ -1,7 +1,8 @@
-"""Exceptions raised by lmdeploy-guided-spec."""
+"""Exceptions raised by lmdeploy-guided-spec, and the reason of an xgrammar error as a client should read it."""
+import re
 
 __all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarRejectedError', 'GrammarCompileError',
-           'GrammarCompileTimeout', 'GrammarCompilerUnavailable', 'GuidedFieldError']
+           'GrammarCompileTimeout', 'GrammarCompilerUnavailable', 'GuidedFieldError', 'xgrammar_reason']
 
 
 class GuidedSpecError(Exception):
@@ -42,3 +43,17 @@ class GuidedFieldError(GuidedSpecError, ValueError):
         super().__init__(message)
         self.param = param
 
+
+
+# the log prefix of xgrammar's C++ checks: "[10:31:08] /project/cpp/json_schema_converter.cc:4944: "
+_XGRAMMAR_LOCATION = re.compile(r'^\[[^\]]*\]\s*\S+:\d+:\s*')
+
+
+def xgrammar_reason(err: BaseException) -> str:
+    """The first line of an xgrammar error without the time and source location of the C++ check that raised it
+    (``Unsupported type "nonsense"``, ``Regex parsing error at position 4: Unclosed '['``); the exception's type
+    name where it has no message."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return _XGRAMMAR_LOCATION.sub('', text.splitlines()[0])

@@ -188,6 +188,8 @@ def test_bad_input_is_400_with_openai_error_body(client, name):
     assert body['type'] == 'invalid_request_error' and body['param'] == param and body['code'] == 400, body
     assert err.value.param == param
     assert re.search(message, body['message']), body['message']
+    # the reason, not the time and source file of xgrammar's C++ check
+    assert not re.search(r'\[\d\d:\d\d:\d\d\]|\.cc:\d+', body['message']), body['message']
 
 
 def test_error_body_over_plain_http(server):

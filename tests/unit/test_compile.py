@@ -1,13 +1,20 @@
 """GrammarCompileService: compiles in a killable child process, with a time limit and a bounded cache, and the
 caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgrammar."""
 import json
+import re
 import time
 
 import pytest
 import torch
 import xgrammar as xgr
 
-from lmdeploy_guided_spec import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout, GuidedSpecError
+from lmdeploy_guided_spec import (
+    GrammarCompileError,
+    GrammarCompilerUnavailable,
+    GrammarCompileTimeout,
+    GuidedSpecError,
+    xgrammar_reason,
+)
 from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV, MASK_LIMIT_ENV, GrammarCompileService, mask_cost
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
@@ -95,7 +102,23 @@ def test_an_invalid_source_fails_its_future_with_xgrammars_message(service, kind
     with pytest.raises(GrammarCompileError, match=message) as info:
         future.result(timeout=60)
     assert isinstance(info.value, ValueError) and isinstance(info.value, GuidedSpecError)
+    # the reason, not the time and source file of xgrammar's C++ check
+    assert not re.search(r'\[\d\d:\d\d:\d\d\]|\.cc:\d+', str(info.value)), info.value
     assert service.submit('regex', 'ok[0-9]').result(timeout=60) is not None
+
+
+@pytest.mark.parametrize('build,reason', [
+    (lambda: xgr.Grammar.from_json_schema('{"type": "nonsense"}'), 'Unsupported type "nonsense"'),
+    (lambda: xgr.Grammar.from_regex('[a-'), "Regex parsing error at position 4: Unclosed '['"),
+    (lambda: xgr.Grammar.from_ebnf('root ::= x'), 'EBNF parser error at line 1, column 10: Rule "x" is not defined'),
+])
+def test_xgrammar_reason_is_the_message_without_the_check_location(build, reason):
+    with pytest.raises(RuntimeError) as info:
+        build()
+    assert re.match(r'\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ', str(info.value)), 'xgrammar prefixes its messages'
+    assert xgrammar_reason(info.value) == reason
+    assert xgrammar_reason(RuntimeError()) == 'RuntimeError'
+    assert xgrammar_reason(ValueError('no prefix here\nsecond line')) == 'no prefix here'
 
 
 def test_bad_arguments_fail_at_submit(service):
