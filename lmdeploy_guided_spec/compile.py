@@ -67,6 +67,7 @@ KINDS = {
     'regex': frozenset(),
     'builtin_json': frozenset(),
     'ebnf': frozenset({'root_rule_name'}),
+    'structural_tag': frozenset(),
 }
 
 # A plain interpreter, not multiprocessing's spawn: spawn re-imports the parent's ``__main__`` in the child, which
@@ -143,6 +144,8 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, optio
         return regular.compile_regex(compiler, source)
     if kind == 'builtin_json':
         return compiler.compile_builtin_json_grammar()
+    if kind == 'structural_tag':
+        return compiler.compile_structural_tag(source)
     return compiler.compile_grammar(source, **options)
 
 
@@ -334,10 +337,11 @@ class GrammarCompileService:
 
         Parameters
         ----------
-        kind : {'json_schema', 'regex', 'builtin_json', 'ebnf'}
+        kind : {'json_schema', 'regex', 'builtin_json', 'ebnf', 'structural_tag'}
             What ``source`` is. ``builtin_json`` (any JSON value) takes no source.
         source : str or dict, optional
-            The JSON schema (text or parsed), regex or EBNF grammar.
+            The JSON schema (text or parsed), regex, EBNF grammar or xgrammar structural tag (text or parsed: the
+            whole tag, ``{"type": "structural_tag", "format": ...}``).
         **options
             Keywords of the matching ``GrammarCompiler`` method: for ``json_schema`` ``any_whitespace``,
             ``indent``, ``separators``, ``strict_mode``, ``max_whitespace_cnt``, ``any_order``; for ``ebnf``
@@ -447,7 +451,7 @@ class GrammarCompileService:
             raise TypeError(f'grammar kind {kind!r} takes no option(s) {sorted(unknown)}; it takes {sorted(allowed)}')
         if kind == 'builtin_json':
             return kind, None, {}
-        if isinstance(source, (dict, list, bool)) and kind == 'json_schema':
+        if isinstance(source, (dict, list, bool)) and kind in ('json_schema', 'structural_tag'):
             source = json.dumps(source)
         if not isinstance(source, str):
             raise ValueError(f'a {kind} grammar needs its source as a string, got {type(source).__name__}')

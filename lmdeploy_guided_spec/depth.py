@@ -97,29 +97,38 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
     ----------
     response_format : dict
         A response format as lmdeploy takes it (``{"type": "json_schema", "json_schema": {"schema": ...}}``, the
-        schema an object or a JSON string, under ``schema`` or ``json_schema``, or ``json_schema`` itself); other
-        types, and shapes the entry check refuses on other grounds, yield None.
+        schema an object or a JSON string, under ``schema`` or ``json_schema``, or ``json_schema`` itself; or an
+        xgrammar structural tag, ``{"type": "structural_tag", ...}``, counted whole); other types, and shapes the
+        entry check refuses on other grounds, yield None.
     limit : int, optional
         The deepest nesting allowed; by default :func:`max_depth`.
     """
-    if not isinstance(response_format, dict) or response_format.get('type') != 'json_schema':
+    if not isinstance(response_format, dict):
         return None
-    # where lmdeploy reads the schema: json_schema.json_schema, json_schema.schema, or json_schema itself
-    schema = response_format.get('json_schema')
-    if isinstance(schema, dict):
-        for key in ('json_schema', 'schema'):
-            if key in schema:
-                schema = schema[key]
-                break
+    kind = response_format.get('type')
+    if kind == 'json_schema':
+        # where lmdeploy reads the schema: json_schema.json_schema, json_schema.schema, or json_schema itself
+        schema = response_format.get('json_schema')
+        if isinstance(schema, dict):
+            for key in ('json_schema', 'schema'):
+                if key in schema:
+                    schema = schema[key]
+                    break
+    elif kind == 'structural_tag':
+        # the schemas of a structural tag (those of the tools of tool_choice="required") sit inside the tag: the
+        # tag's own few levels count with them
+        schema = response_format
+    else:
+        return None
     if not isinstance(schema, (dict, list, str)):
         return None
     limit = _limit() if limit is None else limit
     depth = nesting_depth(schema, stop_after=limit)
     if depth <= limit:
         return None
-    return (f'the json_schema nests objects and arrays more than {limit} levels deep (a nested object takes two: '
-            f'"properties" and its schema; the limit is set by {MAX_DEPTH_ENV}): the grammar of a schema costs about '
-            'the cube of its depth to build')
+    return (f'the {kind} nests objects and arrays more than {limit} levels deep (a nested object of a schema takes '
+            f'two: "properties" and its schema; the limit is set by {MAX_DEPTH_ENV}): the grammar of a schema costs '
+            'about the cube of its depth to build')
 
 
 _warned: set[str] = set()

@@ -56,8 +56,9 @@ def monkeypatch_module():
         yield mp
 
 
-def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
-    pipe = limited_pipe
+def _while_streaming(pipe, prompts, configs):
+    """``generate(pipe, prompts, configs)`` while a long unguided stream decodes; returns the outputs and the longest
+    pause of the stream meanwhile."""
     times: list[float] = []
     finished = []
 
@@ -74,16 +75,22 @@ def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_
     while len(times) < 5 and time.perf_counter() < deadline and streamer.is_alive():
         time.sleep(0.05)
     assert len(times) >= 5, 'the long stream did not start'
-
-    fits, too_slow, small = _fmt(_wide_schema(300)), _fmt(_wide_schema(8000)), response_format('json_schema')
     start = time.perf_counter()
-    outputs = generate(pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24), gen_config(too_slow),
-                                           gen_config(small)])
+    outputs = generate(pipe, prompts, configs)
     end = time.perf_counter()
     stream_was_running = streamer.is_alive()
     streamer.join(timeout=300)
     assert finished == ['length'], finished
+    assert stream_was_running, 'the stream ended before the compiles did; make it longer'
+    window = [t for t in times if start <= t <= end]
+    assert window, 'the stream sent nothing while the grammars compiled'
+    return outputs, max((b - a for a, b in zip(window, window[1:])), default=0.0), end - start
 
+
+def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
+    fits, too_slow, small = _fmt(_wide_schema(300)), _fmt(_wide_schema(8000)), response_format('json_schema')
+    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24),
+                                                                     gen_config(too_slow), gen_config(small)])
     # the grammar past the limit fails its own request, and says why and what to change
     assert outputs[1].finish_reason == 'error', outputs[1]
     assert f'longer than {LIMIT_S} s' in outputs[1].text and COMPILE_TIMEOUT_ENV in outputs[1].text, outputs[1].text
@@ -93,13 +100,36 @@ def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_
                                                    _keys(outputs[0].text)), outputs[0].text
     assert outputs[2].finish_reason == 'stop', outputs[2]
     check_valid(outputs[2].text, small)
-
     # while the grammars compiled, the stream kept decoding
-    assert stream_was_running, 'the stream ended before the compiles did; make it longer'
-    window = [t for t in times if start <= t <= end]
-    gaps = [b - a for a, b in zip(window, window[1:])]
-    assert window and max(gaps, default=0.0) < MAX_GAP_S, (
-        f'the stream paused {max(gaps, default=0.0):.1f} s while grammars compiled ({end - start:.1f} s)')
+    assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while grammars compiled ({took:.1f} s)'
+
+
+def _tag(schema) -> dict:
+    """A structural tag: a JSON instance of ``schema`` between ``<call>`` and ``</call>``."""
+    return {'type': 'structural_tag', 'format': {'type': 'tag', 'begin': '<call>', 'content': {
+        'type': 'json_schema', 'json_schema': schema}, 'end': '</call>'}}
+
+
+def test_structural_tags_compile_off_the_loop(limited_pipe):
+    """Defect: lmdeploy 0.18 builds a structural tag from the client's tools for tool_choice="required" (pipeline
+    users send their own), and the engine compiled structural tags inside its loop, with no limit: the stream of
+    every other request stopped for the whole compile, and a tag nesting a schema hundreds of levels deep was
+    converted for minutes."""
+    deep = {'type': 'string'}
+    for _ in range(300):
+        deep = {'type': 'object', 'properties': {'a': deep}}
+    small = response_format('json_schema')['json_schema']['schema']
+    formats = [_tag(_wide_schema(300)), _tag(_wide_schema(8000)), _tag(small), _tag(deep)]
+    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:4], [gen_config(fmt, max_new_tokens=96)
+                                                                     for fmt in formats])
+    assert outputs[0].finish_reason in ('stop', 'length') and outputs[0].text.startswith('<call>{'), outputs[0]
+    assert outputs[1].finish_reason == 'error', outputs[1]
+    assert f'longer than {LIMIT_S} s' in outputs[1].text and COMPILE_TIMEOUT_ENV in outputs[1].text, outputs[1].text
+    assert outputs[2].finish_reason == 'stop', outputs[2]
+    assert outputs[2].text.startswith('<call>') and outputs[2].text.endswith('</call>'), outputs[2]
+    check_valid(outputs[2].text[len('<call>'):-len('</call>')], response_format('json_schema'))
+    assert outputs[3].finish_reason == 'error' and 'the structural_tag nests' in outputs[3].text, outputs[3]
+    assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while structural tags compiled ({took:.1f} s)'
 
 
 def _keys(text: str) -> list[str]:

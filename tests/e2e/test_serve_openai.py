@@ -28,8 +28,10 @@ INVALID = {'type': 'json_schema', 'json_schema': {'name': 'bad', 'schema': {
 @pytest.fixture(scope='module')
 def server(cpu_path, tmp_path_factory):
     log = tmp_path_factory.mktemp('api_server') / 'server.log'
+    # the Qwen 3 tool parser builds a structural tag of the tools for tool_choice="required"
     proc, base = start_server(['--speculative-algorithm', 'eagle3', '--speculative-draft-model', 'tiny-llama-eagle3',
-                               '--speculative-num-draft-tokens', '3'], log, max_batch_size=8)
+                               '--speculative-num-draft-tokens', '3', '--tool-call-parser', 'qwen3'], log,
+                              max_batch_size=8)
     try:
         yield dict(base=base, proc=proc, log=log)
     finally:
@@ -272,6 +274,20 @@ def test_several_choices_each_follow_the_grammar(client, extra_body, stream):
     assert sorted(texts) == [0, 1, 2] and set(reasons.values()) == {'stop'}, (texts, reasons)
     for text in texts.values():
         check_valid(text, JSON_PERSON)
+
+
+def test_a_required_tool_call_follows_the_tools_schema(client):
+    """tool_choice="required": lmdeploy 0.18 builds a structural tag of the tools (compiled off the engine loop by
+    patch 0028); the call's arguments are an instance of the tool's parameters."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'save_person', 'description': 'Save a person.',
+                                               'parameters': PERSON}}]
+    choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save a person.'}],
+                                       tools=tools, tool_choice='required', max_tokens=128, temperature=0).choices[0]
+    assert choice.finish_reason == 'tool_calls' and len(choice.message.tool_calls) >= 1, choice
+    for call in choice.message.tool_calls:
+        assert call.function.name == 'save_person', call
+        check_valid(call.function.arguments, JSON_PERSON)
 
 
 def test_unenforced_keyword_without_strict_is_served_with_a_warning(client, server):

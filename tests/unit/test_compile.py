@@ -36,6 +36,9 @@ CASES = [
     ('regex', r'(yes|no) [0-9]{2,4}', {}, 'yes 2024'),
     ('ebnf', 'root ::= "a" b\nb ::= "b"+', {}, 'abbb'),
     ('builtin_json', None, {}, '[1, {"k": null}]'),
+    # lmdeploy 0.18 builds one for tool_choice="required"; the schemas inside are the client's
+    ('structural_tag', {'type': 'structural_tag', 'format': {'type': 'tag', 'begin': '<call>', 'content': {
+        'type': 'json_schema', 'json_schema': NESTED}, 'end': '</call>'}}, {}, '<call>{"inner": {"x": 2}}</call>'),
 ]
 
 
@@ -47,6 +50,8 @@ def _reference(kind, source, options):
         return compiler.compile_regex(source)
     if kind == 'ebnf':
         return compiler.compile_grammar(source)
+    if kind == 'structural_tag':
+        return compiler.compile_structural_tag(json.dumps(source))
     return compiler.compile_builtin_json_grammar()
 
 

@@ -93,6 +93,27 @@ def test_the_schema_is_found_where_lmdeploy_reads_it():
         assert depth_error({'type': 'json_schema', 'json_schema': json_schema}) is not None, json_schema
 
 
+def _required_tool_call(parameters: dict) -> dict:
+    """The structural tag lmdeploy 0.18 builds for tool_choice="required" (a Qwen 3 tool parser)."""
+    import xgrammar as xgr
+    tool = {'type': 'function', 'function': {'name': 'f', 'description': 'a tool', 'parameters': parameters}}
+    return xgr.get_model_structural_tag('qwen_3', [tool], tool_choice='required').model_dump(mode='json')
+
+
+def test_structural_tags_are_counted_whole():
+    """The schemas of a structural tag (the tools of tool_choice="required") go into xgrammar's conversion as a
+    json_schema's do; the tag's own levels count with them."""
+    files = [path for folder in SCHEMA_DIRS for path in glob.glob(str(folder / '**' / '*.json'), recursive=True)]
+    deepest = max((json.loads(Path(path).read_text()) for path in files), key=nesting_depth)
+    served = _required_tool_call(deepest)
+    assert served['type'] == 'structural_tag' and nesting_depth(served) > nesting_depth(deepest)
+    assert depth_error(served) is None
+    message = depth_error(_required_tool_call(_chain(40)))
+    assert message is not None and message.startswith('the structural_tag nests') and MAX_DEPTH_ENV in message
+    assert depth_error({'type': 'structural_tag', 'format': {'type': 'json_schema', 'json_schema': _chain(31)}}) \
+        is not None
+
+
 def test_the_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(MAX_DEPTH_ENV, '4')
     assert max_depth() == 4
