@@ -98,14 +98,16 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
     response_format : dict
         A response format as lmdeploy takes it (``{"type": "json_schema", "json_schema": {"schema": ...}}``, the
         schema an object or a JSON string, under ``schema`` or ``json_schema``, or ``json_schema`` itself; or an
-        xgrammar structural tag, ``{"type": "structural_tag", ...}``, counted whole); other types, and shapes the
-        entry check refuses on other grounds, yield None.
+        xgrammar structural tag, ``{"type": "structural_tag", ...}``: the whole tag against twice the limit, each
+        ``json_schema`` format in it against the limit); other types, and shapes the entry check refuses on other
+        grounds, yield None.
     limit : int, optional
         The deepest nesting allowed; by default :func:`max_depth`.
     """
     if not isinstance(response_format, dict):
         return None
     kind = response_format.get('type')
+    limit = _limit() if limit is None else limit
     if kind == 'json_schema':
         # where lmdeploy reads the schema: json_schema.json_schema, json_schema.schema, or json_schema itself
         schema = response_format.get('json_schema')
@@ -114,21 +116,45 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
                 if key in schema:
                     schema = schema[key]
                     break
-    elif kind == 'structural_tag':
-        # the schemas of a structural tag (those of the tools of tool_choice="required") sit inside the tag: the
-        # tag's own few levels count with them
-        schema = response_format
-    else:
+        if isinstance(schema, (dict, list, str)) and nesting_depth(schema, stop_after=limit) > limit:
+            return _too_deep('the json_schema', limit)
         return None
-    if not isinstance(schema, (dict, list, str)):
+    if kind != 'structural_tag':
         return None
-    limit = _limit() if limit is None else limit
-    depth = nesting_depth(schema, stop_after=limit)
-    if depth <= limit:
-        return None
-    return (f'the {kind} nests objects and arrays more than {limit} levels deep (a nested object of a schema takes '
-            f'two: "properties" and its schema; the limit is set by {MAX_DEPTH_ENV}): the grammar of a schema costs '
-            'about the cube of its depth to build')
+    # a structural tag's formats nest in one another (tags, sequences, triggers): the whole tag gets twice the limit,
+    # and every json_schema in it the limit of one (lmdeploy 0.18 builds tags of the tools' parameters for
+    # tool_choice="required", and wraps a client's json_schema in one for GPT-OSS)
+    if nesting_depth(response_format, stop_after=2 * limit) > 2 * limit:
+        return _too_deep('the structural_tag', 2 * limit)
+    for schema in _tag_schemas(response_format):
+        if nesting_depth(schema, stop_after=limit) > limit:
+            return _too_deep('a json_schema of the structural_tag', limit)
+    return None
+
+
+def _too_deep(what: str, limit: int) -> str:
+    return (f'{what} nests objects and arrays more than {limit} levels deep (a nested object of a schema takes two: '
+            f'"properties" and its schema; the limit is set by {MAX_DEPTH_ENV}): the grammar of a schema costs about '
+            'the cube of its depth to build')
+
+
+def _tag_schemas(tag: dict) -> list:
+    """The ``json_schema`` of every ``{"type": "json_schema", ...}`` format in a structural tag, without recursion
+    (the tag's depth is already bounded), each object once."""
+    schemas, seen, stack = [], set(), [tag]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            if value.get('type') == 'json_schema' and 'json_schema' in value:
+                schemas.append(value['json_schema'])
+                continue
+            stack.extend(v for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return schemas
 
 
 _warned: set[str] = set()

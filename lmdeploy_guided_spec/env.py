@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = ['positive_from_env']
 
+T = TypeVar('T', int, float)
 
-def positive_from_env(name: str, default: float, *, parse: Callable[[str], float] = float,
-                      kind: str = 'a number') -> float:
+
+def positive_from_env(name: str, default: T, *, parse: Callable[[str], T] = float, kind: str = 'a number') -> T:
     """``parse`` of the variable ``name``, or ``default`` where it is unset or blank; raises ``ValueError`` naming
     the variable where ``parse`` refuses it (it is not ``kind``) or the value is not positive."""
     raw = os.environ.get(name)

@@ -44,7 +44,6 @@ class GuidedFieldError(GuidedSpecError, ValueError):
         self.param = param
 
 
-
 # the log prefix of xgrammar's C++ checks: "[10:31:08] /project/cpp/json_schema_converter.cc:4944: "
 _XGRAMMAR_LOCATION = re.compile(r'^\[[^\]]*\]\s*\S+:\d+:\s*')
 

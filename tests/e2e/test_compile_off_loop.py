@@ -57,8 +57,8 @@ def monkeypatch_module():
 
 
 def _while_streaming(pipe, prompts, configs):
-    """``generate(pipe, prompts, configs)`` while a long unguided stream decodes; returns the outputs and the longest
-    pause of the stream meanwhile."""
+    """``generate(pipe, prompts, configs)`` while a long unguided stream decodes; returns the outputs, the longest
+    pause of the stream meanwhile and how long the requests took."""
     times: list[float] = []
     finished = []
 

@@ -15,6 +15,7 @@ from e2e_helpers import (
     PERSON,
     PROMPTS,
     Output,
+    _text,
     banned_tokens_and_dead_ends,
     check_valid,
     draft_free_pipeline,
@@ -107,12 +108,11 @@ def _chat(pipe, formats, *, stop_reading: int | None = None) -> list[Output]:
                 deadline = time.monotonic() + 30
                 while session._handle is not None and time.monotonic() < deadline:
                     time.sleep(0.05)
+                assert session._handle is None, 'the stopped turn did not end within 30 s'
                 continue
             session = pipe.chat('Give me a record.', session=session, gen_config=config)
             response = session.response
-            # lmdeploy 0.18 gives a failed request's reason as error_message, 0.14 as the text
-            text = response.text or getattr(response, 'error_message', None) or ''
-            turns.append(Output(text, list(response.token_ids or []), response.finish_reason))
+            turns.append(Output(_text(response), list(response.token_ids or []), response.finish_reason))
     finally:
         if session is not None:
             session.close()

@@ -100,18 +100,33 @@ def _required_tool_call(parameters: dict) -> dict:
     return xgr.get_model_structural_tag('qwen_3', [tool], tool_choice='required').model_dump(mode='json')
 
 
-def test_structural_tags_are_counted_whole():
-    """The schemas of a structural tag (the tools of tool_choice="required") go into xgrammar's conversion as a
-    json_schema's do; the tag's own levels count with them."""
+def test_the_schemas_of_a_structural_tag_have_the_limit_of_a_json_schema():
+    """The schemas of a structural tag (the tools of tool_choice="required"; a client's json_schema that lmdeploy
+    wraps for GPT-OSS) go into xgrammar's conversion as a json_schema's do, with the same limit; the tag's own
+    nesting of formats gets twice the limit."""
     files = [path for folder in SCHEMA_DIRS for path in glob.glob(str(folder / '**' / '*.json'), recursive=True)]
     deepest = max((json.loads(Path(path).read_text()) for path in files), key=nesting_depth)
     served = _required_tool_call(deepest)
     assert served['type'] == 'structural_tag' and nesting_depth(served) > nesting_depth(deepest)
     assert depth_error(served) is None
     message = depth_error(_required_tool_call(_chain(40)))
-    assert message is not None and message.startswith('the structural_tag nests') and MAX_DEPTH_ENV in message
-    assert depth_error({'type': 'structural_tag', 'format': {'type': 'json_schema', 'json_schema': _chain(31)}}) \
-        is not None
+    assert message is not None and message.startswith('a json_schema of the structural_tag nests'), message
+    assert MAX_DEPTH_ENV in message and f'{DEFAULT_MAX_DEPTH} levels' in message
+
+    def wrapped(schema):
+        return {'type': 'structural_tag', 'format': {'type': 'json_schema', 'json_schema': schema}}
+
+    # what passes as a json_schema passes inside a tag, what does not, does not
+    assert depth_error(wrapped(_chain(31))) is None and depth_error(_format(_chain(31))) is None
+    assert depth_error(wrapped(_chain(32))) is not None and depth_error(_format(_chain(32))) is not None
+    assert depth_error(wrapped(json.dumps(_chain(32)))) is not None
+    # formats nested in formats, no schema at all
+    tag = {'type': 'const_string', 'value': 'x'}
+    for _ in range(100):
+        tag = {'type': 'sequence', 'elements': [tag]}
+    message = depth_error({'type': 'structural_tag', 'format': tag})
+    assert message is not None and message.startswith('the structural_tag nests') and \
+        f'{2 * DEFAULT_MAX_DEPTH} levels' in message
 
 
 def test_the_limit_comes_from_the_environment(monkeypatch):
