@@ -183,9 +183,12 @@ class SpecGrammarManager:
                 found[row] = entry
         if len(found) == len(matchers):
             window = next(iter(found.values()))[0]
-            if window.batch_size == batch and all(w is window and wrow == row for row, (w, wrow) in found.items()):
+            if (window.batch_size == batch and window.rows == sorted(found)
+                    and all(w is window and wrow == row for row, (w, wrow) in found.items())):
                 # the common case, the batch of the drafting step: its masks are the verification masks (rows of
-                # unguided requests are never applied)
+                # unguided requests are never applied). Not where a row the window guided holds another request now
+                # (one ended or was preempted, an unguided one was prefilled into its place): sparse masks apply
+                # every row of the window
                 return window.verification_masks()
         missing = {row: m for row, m in matchers.items() if row not in found}
         if missing:
@@ -390,7 +393,7 @@ class SpecGrammarManager:
         with self._failures_lock:
             for session_id in session_ids:
                 self._windows.pop(session_id, None)
-        self._drop_failures(session_ids)
+                self._failures.pop(session_id, None)
         # after the commits queued before
         self.worker.submit(self._forget_queued, session_ids)
 

@@ -189,6 +189,29 @@ def test_propose_drafts_forced_tokens_and_keeps_reference_masks(llama3, k, new_m
         assert manager.num_kept_windows == 0
 
 
+@pytest.mark.parametrize('sparse', [True, False], ids=['sparse', 'dense'])
+def test_a_window_masks_no_row_that_is_no_longer_guided(llama3, sparse):
+    """Defect: verification reused a drafting window's masks whole when every guided row of the batch sat where the
+    window had it, also when a row the window had guided now held another, unguided request (a guided request ended
+    or was preempted and an unguided one was prefilled into its place): the unguided request took the other one's
+    grammar (an ended grammar allows only stop tokens: it wrote ``<|end_of_text|>`` with ``ignore_eos``)."""
+    vocab = _vocab(llama3)
+    compiled = _compile(llama3, SCHEMAS['nested_order'], 'single')
+    manager = SpecGrammarManager(vocab, tokenizer=testing.load_tokenizer(llama3),
+                                 tokenizer_info=testing.tokenizer_info(llama3), sparse_masks=sparse,
+                                 guess_drafts=False)
+    k = 3
+    committed = {0: xgr.GrammarMatcher(compiled), 2: xgr.GrammarMatcher(compiled)}
+    drafts = manager.propose(committed, 3, k, session_ids=[10, 11, 12], filler=7)
+    # session 12 is gone; session 13, unguided, is row 2 now; rows 0 and 1 are as they were
+    guided = {0: committed[0]}
+    bitmask = manager.verification_bitmask(guided, drafts, [10, 11, 13])
+    logits = manager.apply_(torch.zeros(3 * (k + 1), vocab), bitmask, guided, k + 1)
+    assert torch.isfinite(logits[2 * (k + 1):]).all(), 'the unguided row took the grammar of the row before it'
+    assert not torch.isfinite(logits[:k + 1]).all(), 'the guided row is masked'
+    assert torch.isfinite(logits[k + 1:2 * (k + 1)]).all()
+
+
 def test_propose_without_guided_rows_does_no_grammar_work():
     manager = SpecGrammarManager(1000, forced_drafts=False)
     drafts = manager.propose({}, 4, 3, filler=5)
