@@ -166,6 +166,59 @@ def test_prompts_prefilled_in_chunks(engines, method):
         assert out.text == ref.text, (i, out, ref)
 
 
+# a KV cache of 8 blocks of 64 tokens for 12 requests of up to 150 tokens each: the scheduler preempts decoding
+# sequences (and prefills them again later with the tokens they kept)
+SMALL_CACHE = dict(num_gpu_blocks=8)
+DIGITS = {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9}, 'minItems': 30, 'maxItems': 30}
+LETTERS = '[a-z]{50}-[0-9]{30}'
+
+
+@pytest.fixture
+def preemptions(monkeypatch):
+    """The number of decoding sequences the scheduler preempted, one entry per decoding step."""
+    from lmdeploy.pytorch.messages import MessageStatus
+    from lmdeploy.pytorch.paging.scheduler import Scheduler
+
+    counts = []
+    schedule_running = Scheduler.schedule_running
+
+    def counted(self, running, *args, **kwargs):
+        was_running = [seq.status == MessageStatus.RUNNING for seq in running]
+        valid = schedule_running(self, running, *args, **kwargs)
+        counts.append(sum(before and not kept for before, kept in zip(was_running, valid)))
+        return valid
+
+    monkeypatch.setattr(Scheduler, 'schedule_running', counted)
+    return counts
+
+
+def test_sequences_preempted_for_a_full_kv_cache(engines, preemptions):
+    """Defect: when the KV cache is full the scheduler preempts a decoding sequence and drops the token the step in
+    flight samples for it; without speculative decoding the grammar had taken that token, so the JSON lost a token
+    at every preemption (``3,33`` for ``3,3,3``), silently. With speculative decoding (eagle3): an unguided request
+    prefilled into the row of a guided one that had left the batch took that one's grammar (its drafting window's
+    masks), writing stop tokens with ``ignore_eos`` (1 run in 2)."""
+    formats = [response_format('json_schema', schema=DIGITS), response_format('regex_schema', regex=LETTERS),
+               None, response_format('json_object')]
+    prompts = [f'{PROMPTS[i % len(PROMPTS)]} Number {i}.' for i in range(12)]
+    configs = [gen_config(formats[i % 4], sampling=i % 3 == 2, seed=i, max_new_tokens=120,
+                          ignore_eos=formats[i % 4] is None) for i in range(12)]
+    reference = generate(engines('tiny-llama', spec=False), prompts, configs)
+    del preemptions[:]
+    for spec in (False, True):
+        outputs = generate(engines('tiny-llama', spec=spec, **SMALL_CACHE), prompts, configs)
+        assert sum(preemptions) > 0, f'spec={spec}: no sequence was preempted'
+        del preemptions[:]
+        for i, (out, ref, config) in enumerate(zip(outputs, reference, configs)):
+            if config.response_format is not None:
+                assert out.finish_reason == 'stop', (spec, i, out)
+                check_valid(out.text, config.response_format)
+            else:
+                assert out.finish_reason == 'length', (spec, i, out)
+            if not config.do_sample:
+                assert out.token_ids == ref.token_ids, (spec, i, out, ref)
+
+
 def test_engines_of_one_process_keep_their_own_grammar_state(engines):
     """Defect 9: ``GuidedDecodingManager.processors`` was a class attribute, shared by the engines of a process
     although their session ids restart at 0 in each."""
