@@ -5,6 +5,7 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 import xgrammar as xgr
 
 from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing
@@ -437,3 +438,44 @@ def test_a_copy_from_the_output_that_reaches_its_end_is_not_a_whole_value(name):
     out, seq, forwards, _ = _decode(manager, tokens, (None, compiled))
     assert out == seq
     assert forwards * 2 < len(seq), (forwards, len(seq))
+
+
+@pytest.mark.parametrize('name', ['llama3', 'qwen3'])
+def test_probing_the_bytes_a_state_allows_reads_what_its_mask_says(name):
+    """A formatting guess asks which ASCII bytes a state allows. Without a filled mask the matcher accepts each
+    single-byte token and rolls it back: the answer is the mask's, at every state of every test instance (compact and
+    indented, and after each jump-forward text), and the matcher's state is unchanged after it."""
+    from lmdeploy_guided_spec.bitmask import allocate_bitmask
+    from lmdeploy_guided_spec.forced import jump_forward_text
+    from lmdeploy_guided_spec.layout import WHITESPACE
+    tok, info, vocab = _tokenizer(name)
+    guesses = _manager(name).guesses
+    mask = allocate_bitmask(1, vocab)
+    states = checked = 0
+    for schema, instances in INSTANCES.items():
+        for instance, indent in [(instance, indent) for instance in instances for indent in (None, 2)]:
+            matcher = xgr.GrammarMatcher(_compiled(name, schema))
+            for token in _encode(name, json.dumps(instance, indent=indent)) + [None]:
+                probes = [matcher]
+                jump = jump_forward_text(matcher)
+                if jump:
+                    probe = matcher.fork()
+                    assert probe.accept_string(jump.encode())
+                    probes.append(probe)
+                for probe in probes:
+                    probe.fill_next_token_bitmask(mask, 0)
+                    expected = guesses.allowed_bytes(probe, mask[0])
+                    before = mask.clone()
+                    assert guesses.allowed_bytes(probe) == expected, (schema, indent, states)
+                    on_whitespace = guesses.allowed_bytes(probe, needs=WHITESPACE)
+                    assert on_whitespace == (expected if expected & WHITESPACE else set())
+                    assert guesses.allowed_bytes(probe, mask[0], needs=WHITESPACE) == on_whitespace
+                    probe.fill_next_token_bitmask(mask, 0)
+                    assert torch.equal(mask, before), 'probing left the state as it was'
+                    checked += bool(expected)
+                states += 1
+                if token is not None:
+                    assert matcher.accept_token(token)
+    assert matcher.is_terminated() or matcher.accept_token(tok.eos_token_id)
+    assert guesses.allowed_bytes(matcher) == set(), 'an ended grammar allows no byte'
+    assert states > 300 and checked > 200, (states, checked)
