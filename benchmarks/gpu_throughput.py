@@ -21,6 +21,11 @@ vocabulary): weightless checkpoints whose parameters the engine fills with rando
 (:mod:`lmdeploy_guided_spec.support.random_init`), so nothing of 16 GB is written or read. Not for
 ``deepseek_mtp``.
 
+``--free-drafts`` (eagle3, deepseek_mtp) adds a third engine, speculative with ``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0``:
+the draft model drafts without the grammar's masks and only verification is masked, so the engine thread does not
+wait for the grammar worker while drafting. Its guided rows print as ``guided spec, free drafts``, with
+``guided_free_vs_guided_spec`` per batch size (free against masked drafts, both guided speculative).
+
 ``--force-triton`` sets ``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1`` (verify with the Triton kernel even where
 FlashAttention-3 is installed). Without CUDA the script exits with status 2.
 
@@ -115,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--shape', choices=['tiny', 'llama-3.1-8b'], default='tiny',
                         help='the tiny models, or a Llama-3.1-8B-shaped target (and Eagle3 head) filled with random '
                              'weights on the GPU (eagle3 and grammar)')
+    parser.add_argument('--free-drafts', action='store_true',
+                        help='also run guided speculative decoding with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0 (draft '
+                             'models draft freely, verification alone is masked)')
     parser.add_argument('--force-triton', action='store_true',
                         help='verify with the Triton paged kernel even where FlashAttention-3 is installed')
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
+    if args.free_drafts and args.method == 'grammar':
+        parser.error('--free-drafts needs a draft model (eagle3, deepseek_mtp); the grammar method has none')
 
     import torch
     if not torch.cuda.is_available():
@@ -151,20 +161,25 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     path = None
-    for spec in (False, True):
+    engines = [(False, False), (True, False)] + ([(True, True)] if args.free_drafts else [])
+    for spec, free in engines:
         backend = PytorchEngineConfig(eager_mode=args.eager, max_batch_size=max(batch_sizes),
                                       cache_max_entry_count=0.3, session_len=4096)
         spec_config = SpeculativeConfig(method=args.method, model=str(draft),
                                         num_speculative_tokens=args.num_spec_tokens) if spec else None
+        # the engine reads it once, when it builds its grammar manager
+        os.environ['LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'] = '0' if free else '1'
         pipe = pipeline(str(target), backend_config=backend, speculative_config=spec_config, log_level='ERROR')
+        os.environ.pop('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
         if spec:
             from lmdeploy.pytorch.backends.cuda import attention
             path = 'FA3' if attention.use_fa3_spec_decoding() else 'Triton paged kernel'
         try:
             for batch in batch_sizes:
-                for guided in (False, True):
+                # free drafts change nothing for unguided rows
+                for guided in ((True, ) if free else (False, True)):
                     result = _measure(pipe, batch, guided, args.max_new_tokens, counter, spec)
-                    rows.append(dict(spec=spec, guided=guided, batch=batch, **result))
+                    rows.append(dict(spec=spec, guided=guided, free=free, batch=batch, **result))
         finally:
             pipe.close()
         torch.cuda.empty_cache()
@@ -176,13 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f'{"mode":<26} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')
     for r in rows:
         mode = f'{"guided" if r["guided"] else "unguided"} {"speculative" if r["spec"] else "non-speculative"}'
+        if r['free']:
+            mode = 'guided spec, free drafts'
         per_step = 'n/a' if r['per_step'] is None else f'{r["per_step"]:.2f}'
         print(f'{mode:<26} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
     for batch in batch_sizes:
-        guided = {r['spec']: r['tps'] for r in rows if r['guided'] and r['batch'] == batch}
+        guided = {r['spec']: r['tps'] for r in rows if r['guided'] and not r['free'] and r['batch'] == batch}
         if len(guided) == 2 and guided[False] > 0:
             print(f'guided_spec_vs_guided_nonspec batch {batch}: {guided[True] / guided[False]:.3f}')
-    at8 = {r['guided']: r['tps'] for r in rows if r['spec'] and r['batch'] == 8}
+    for batch in batch_sizes:
+        free = {r['free']: r['tps'] for r in rows if r['guided'] and r['spec'] and r['batch'] == batch}
+        if len(free) == 2 and free[False] > 0:
+            print(f'guided_free_vs_guided_spec batch {batch}: {free[True] / free[False]:.3f}')
+    free8 = [r['tps'] for r in rows if r['free'] and r['batch'] == 8]
+    unguided8 = [r['tps'] for r in rows if r['spec'] and not r['guided'] and r['batch'] == 8]
+    if free8 and unguided8 and unguided8[0] > 0:
+        print(f'guided_spec_free_drafts_vs_unguided_spec {free8[0] / unguided8[0]:.3f}')
+    at8 = {r['guided']: r['tps'] for r in rows if r['spec'] and not r['free'] and r['batch'] == 8}
     if len(at8) == 2 and at8[False] > 0:
         print(f'guided_spec_vs_unguided_spec {at8[True] / at8[False]:.3f}')
     else:

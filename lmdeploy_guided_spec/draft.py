@@ -14,6 +14,11 @@ With ``forced=True`` the worker also finds, at every filled draft position, the 
 (:func:`lmdeploy_guided_spec.forced.forced_token`): :meth:`DraftGrammar.advance` puts it in place of the draft
 model's choice, and :meth:`DraftGrammar.propose` drafts a whole window from forced tokens alone (methods
 ``grammar`` and ``fsm``, no draft model).
+
+With ``mask_drafts=False`` the draft model drafts freely: :meth:`DraftGrammar.mask_logits_` returns at once and the
+engine thread never waits while it drafts. The worker still advances the forks by the drafted tokens and fills the
+verification masks behind the device; a draft the grammar rejects ends its row's window there, and verification
+rejects it.
 """
 from __future__ import annotations
 
@@ -117,6 +122,9 @@ class DraftGrammar:
     jumps : JumpForwardMemo, optional
         The engine's memo of long jump-forward texts: the forks start with their committed matcher's text and keep
         it as they accept drafts (needs ``tokenizer``).
+    mask_drafts : bool, default: True
+        Mask the draft logits (:meth:`mask_logits_`). False: the draft model drafts freely and nothing on the engine
+        thread waits for the worker before verification; needs ``forced=False``.
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -125,7 +133,11 @@ class DraftGrammar:
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
                  sparse: SparseMaskBuilder | None = None, forced: bool = False,
                  tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None,
-                 guess_in_window: bool = False, jumps: JumpForwardMemo | None = None):
+                 guess_in_window: bool = False, jumps: JumpForwardMemo | None = None, mask_drafts: bool = True):
+        if forced and not mask_drafts:
+            raise ValueError('forced drafts replace the draft model\'s choice after waiting for the position\'s '
+                             'mask: they need mask_drafts=True')
+        self.mask_drafts = mask_drafts
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.num_spec_tokens = num_spec_tokens
@@ -199,22 +211,23 @@ class DraftGrammar:
         self._live_at.append(live)
         # the live rows' masks of this position, gathered once for those of the steps below that read them
         draft_position = position < self.num_spec_tokens
-        if self.sparse is not None or (draft_position and (self.forced or self.vocab_map is not None)):
+        # masks of the draft logits are made only where the draft logits are masked
+        draft_masks = draft_position and self.mask_drafts
+        if self.sparse is not None or (draft_position and self.forced) or (draft_masks and self.vocab_map is not None):
             rows = take_rows(self.masks[:, position], live)
-        if self.vocab_map is not None and self.sparse is None and draft_position:
+        if self.vocab_map is not None and self.sparse is None and draft_masks:
             # a draft with its own vocabulary masks with them on the engine thread: gathered here, not there
             self._draft_rows.append(rows)
         if self.sparse is not None:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
             verify_rows = [row * width + position for row in live]
-            if self.vocab_map is None:
+            if self.vocab_map is None and draft_masks:
                 draft, verify = self.sparse.build(rows, live, verify_rows)
             else:
-                # a draft with its own vocabulary: translate here, on the worker, not on the engine thread
                 verify, = self.sparse.build(rows, verify_rows)
-                draft = (self.vocab_map.sparse_builder().build(rows, live)[0]
-                         if position < self.num_spec_tokens else None)
+                # a draft with its own vocabulary: translate here, on the worker, not on the engine thread
+                draft = self.vocab_map.sparse_builder().build(rows, live)[0] if draft_masks and self.vocab_map else None
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)
         if self.forced and draft_position:
@@ -302,8 +315,11 @@ class DraftGrammar:
     def mask_logits_(self, logits: torch.Tensor) -> torch.Tensor:
         """Mask draft logits ``(rows, draft_vocab)`` of the current position in place.
 
-        ``logits`` may have more rows than the batch (padding); only rows of live guided requests change.
+        ``logits`` may have more rows than the batch (padding); only rows of live guided requests change. With
+        ``mask_drafts=False`` nothing changes and nothing waits.
         """
+        if not self.mask_drafts:
+            return logits
         self.wait()
         if self.position > self.num_spec_tokens:
             raise RuntimeError(f'the window has {self.num_spec_tokens} draft positions; mask_logits_ was called '

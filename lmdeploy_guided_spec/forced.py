@@ -323,12 +323,20 @@ class ForcedTokenizer:
 
 #: Environment variable that turns forced drafts inside draft-model windows off (``0``).
 FORCED_DRAFTS_ENV = 'LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS'
+#: Set to ``0``: draft models draft without the grammar's masks (:func:`draft_masks_from_env`).
+DRAFT_MASKS_ENV = 'LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'
 
 
 def forced_drafts_from_env() -> bool:
     """Whether forced tokens replace the draft model's choices inside drafting windows: on unless
     ``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS`` is ``0``."""
     return os.environ.get(FORCED_DRAFTS_ENV, '1') != '0'
+
+
+def draft_masks_from_env() -> bool:
+    """Whether the grammar masks a draft model's logits: on unless ``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS`` is ``0``
+    (then drafts are free and only verification is masked)."""
+    return os.environ.get(DRAFT_MASKS_ENV, '1') != '0'
 
 
 class JumpForwardMemo:

@@ -37,7 +37,7 @@ import xgrammar as xgr
 
 from .bitmask import allocate_bitmask, apply_bitmask_, keep_grammar_tokens_, take_where_empty_
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
-from .forced import ForcedTokenizer, JumpForwardMemo, forced_drafts_from_env
+from .forced import ForcedTokenizer, JumpForwardMemo, draft_masks_from_env, forced_drafts_from_env
 from .guess import GuessDrafts
 from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
@@ -99,12 +99,18 @@ class SpecGrammarManager:
         Inside drafting windows (:meth:`begin_draft`, with ``forced_drafts``), draft a guess in place of the draft
         model's choice wherever a guess source has one; default: on wherever forced drafts in windows and guessed
         drafts are (``LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS``, ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS``).
+    draft_masks : bool, optional
+        Mask the draft model's logits in drafting windows; default: on, unless the environment variable
+        ``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS`` is ``0``. Off, the draft model drafts freely, the engine thread does not
+        wait for the grammar worker while it drafts, and only verification is masked (a draft the grammar rejects is
+        rejected there); forced and guessed drafts in windows are off with it. :meth:`propose` is not affected.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
                  tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
-                 guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool | None = None):
+                 guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool | None = None,
+                 draft_masks: bool | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -119,6 +125,7 @@ class SpecGrammarManager:
         if forced_drafts is None:
             forced_drafts = forced_drafts_from_env()
         self.forced_drafts = forced_drafts
+        self.draft_masks = draft_masks_from_env() if draft_masks is None else draft_masks
         self.forced_tokenizer = None
         if tokenizer is not None:
             self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
@@ -342,14 +349,17 @@ class SpecGrammarManager:
         if not matchers:
             return None
         guesses = None
-        if self.window_guesses and self.forced_drafts:
+        # forced and guessed drafts replace the draft model's choice once the position's mask is known: only where
+        # the draft logits are masked
+        forced = self.forced_drafts and self.draft_masks
+        if self.window_guesses and forced:
             guesses = self._guess_window(matchers, session_ids, prompt_ids, num_spec_tokens)
         window = DraftGrammar(matchers, batch_size, self.vocab_size, num_spec_tokens,
                               vocab_map=self.vocab_map(draft_id_to_target_id), worker=self.worker,
                               session_ids=session_ids, pin_memory=self.pin_memory,
-                              batch_matcher=self._batch_matcher, sparse=self._sparse, forced=self.forced_drafts,
+                              batch_matcher=self._batch_matcher, sparse=self._sparse, forced=forced,
                               tokenizer=self.forced_tokenizer, guesses=guesses, guess_in_window=guesses is not None,
-                              jumps=self.jumps)
+                              jumps=self.jumps, mask_drafts=self.draft_masks)
         self._keep(window, matchers, session_ids)
         return window
 

@@ -28,7 +28,7 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     compile in the model agent, without a limit).
     """
     from .compile import COMPILE_TIMEOUT_ENV
-    from .forced import FORCED_DRAFTS_ENV, forced_drafts_from_env
+    from .forced import DRAFT_MASKS_ENV, FORCED_DRAFTS_ENV, draft_masks_from_env, forced_drafts_from_env
     from .guess import guess_sources_from_env
     if compile_timeout_s is None:
         compile_service = 'off (grammars compile in the model agent)'
@@ -39,10 +39,14 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     except ValueError as err:
         guessed = f'invalid ({err})'
     forced = forced_drafts_from_env()
+    masked = draft_masks_from_env()
     return {
         'compile service': compile_service,
         'whitespace': "'any' unless a response_format says 'single' or 'compact'",
-        'forced drafts in draft-model windows': 'on' if forced else f'off ({FORCED_DRAFTS_ENV}=0)',
+        'draft-model logits masked': 'on' if masked else f'off ({DRAFT_MASKS_ENV}=0; verification only)',
+        'forced drafts in draft-model windows': ('on' if forced and masked else
+                                                 f'off ({FORCED_DRAFTS_ENV}=0)' if not forced else
+                                                 f'off (with {DRAFT_MASKS_ENV}=0)'),
         'guessed drafts': f'{guessed} (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)',
     }
 

@@ -13,7 +13,8 @@
 #                                              # with what is left, so the run ends (and reports) within it
 #   PYTEST_ARGS='-k kernel' ...                # passed to every pytest
 #   GPU_BENCH_8B='eagle3 grammar'              # gpu_throughput.py --shape llama-3.1-8b methods, right after the tests
-#                                              # (empty: none); GPU_BENCH_8B_BATCHES (default 1,8,32,128)
+#                                              # (empty: none; eagle3 adds --free-drafts); GPU_BENCH_8B_BATCHES
+#                                              # (default 1,8,32,128)
 #   GPU_BENCH_METHODS / GPU_BENCH_LATE         # gpu_throughput.py methods before vs_upstream (default: eagle3
 #                                              # grammar) and after it (default: deepseek_mtp); empty: none
 #   GPU_BENCH_ARGS / GPU_VS_UPSTREAM_ARGS      # extra arguments, e.g. '--batch-sizes 1,8,32,128', '--methods eagle3'
@@ -219,9 +220,12 @@ for version in "${VERSIONS[@]}"; do
     if [ "${GPU_BENCH:-1}" != 0 ] && [ -n "${GPU_BENCH_8B-eagle3 grammar}" ]; then
         # a realistic size first: Llama-3.1-8B-shaped target (and Eagle3 head), random weights filled on the GPU
         for method in ${GPU_BENCH_8B-eagle3 grammar}; do
-            stage "lmdeploy $version: benchmarks/gpu_throughput.py --shape llama-3.1-8b --method $method" \
+            # a draft model's runs also draft without the grammar's masks (LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0)
+            free=()
+            if [ "$method" != grammar ]; then free=(--free-drafts); fi
+            stage "lmdeploy $version: benchmarks/gpu_throughput.py --shape llama-3.1-8b --method $method ${free[*]}" \
                 bench "gpu_throughput-$version-8b-$method" "$VENV" benchmarks/gpu_throughput.py --shape llama-3.1-8b \
-                --method "$method" --batch-sizes "${GPU_BENCH_8B_BATCHES:-1,8,32,128}"
+                --method "$method" --batch-sizes "${GPU_BENCH_8B_BATCHES:-1,8,32,128}" "${free[@]}"
         done
     fi
 

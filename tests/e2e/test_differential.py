@@ -3,6 +3,8 @@
 import pytest
 from e2e_helpers import METHODS, check_valid, gen_config, generate, response_format
 
+from lmdeploy_guided_spec.draft import DraftGrammar
+
 _S = {'type': 'string', 'maxLength': 12}
 _I = {'type': 'integer', 'minimum': -50, 'maximum': 5000}
 SCHEMAS = [
@@ -71,3 +73,37 @@ def test_greedy_speculative_equals_non_speculative(engines, method):
             assert out.token_ids == exp.token_ids, (fmt, prompt, out.text, exp.text)
             assert out.finish_reason == 'stop', (fmt, out)
             check_valid(out.text, fmt)
+
+
+def test_free_drafts_verified_under_the_grammar_equal_non_speculative(engines, monkeypatch):
+    """``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0``: the Eagle3 draft drafts without the grammar's masks, so some drafts
+    break the grammar; verification alone keeps the output what guided decoding without speculation writes."""
+    from e2e_helpers import Engines
+    key = ('free-drafts', 'eagle3')
+    if key not in engines._pipes:
+        with monkeypatch.context() as env:
+            # read once, when the engine builds its grammar manager
+            env.setenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', '0')
+            engines._pipes[key] = Engines._build(METHODS['eagle3'], True, 3, {})
+    spec, ref = engines._pipes[key], engines(METHODS['eagle3'], spec=False)
+    windows, broken = [], []
+    advance = DraftGrammar._advance
+
+    def counted(window, token_ids, position, ready=None):
+        dead = len(window.dead)
+        advance(window, token_ids, position, ready)
+        windows.append(window.mask_drafts)
+        broken.append(len(window.dead) - dead)
+
+    monkeypatch.setattr(DraftGrammar, '_advance', counted)
+    chunk = PAIRS[:BATCH]
+    prompts = [p for _, p in chunk]
+    configs = [gen_config(fmt, max_new_tokens=128) for fmt, _ in chunk]
+    outputs = generate(spec, prompts, configs)
+    monkeypatch.undo()
+    assert windows and not any(windows), 'every window drafted without masks'
+    assert sum(broken) > 0, 'some free drafts broke the grammar (or ended it)'
+    for (fmt, prompt), out, exp in zip(chunk, outputs, generate(ref, prompts, configs)):
+        assert out.token_ids == exp.token_ids, (fmt, prompt, out.text, exp.text)
+        assert out.finish_reason == 'stop', (fmt, out)
+        check_valid(out.text, fmt)

@@ -9,12 +9,13 @@ pytestmark = pytest.mark.unit
 def test_the_startup_line_names_the_series_method_and_settings(monkeypatch):
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', raising=False)
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', raising=False)
+    monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', raising=False)
     line = startup_message('0.14.0', 'eagle3', 3, compile_timeout_s=30.0)
     assert line.startswith(f'lmdeploy-guided-spec {__version__} active on lmdeploy 0.14.0: '
                            "speculative method 'eagle3', k=3; grammar: ")
     assert 'compile service: a child process, limit 30 s (LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT)' in line
     assert "whitespace: 'any'" in line
-    assert 'forced drafts in draft-model windows: on' in line
+    assert 'draft-model logits masked: on; forced drafts in draft-model windows: on' in line
     assert 'guessed drafts: format,lookup' in line
 
 
@@ -25,6 +26,11 @@ def test_the_startup_line_follows_the_environment(monkeypatch):
     assert 'no speculative decoding' in line
     assert 'compile service: off' in line
     assert 'forced drafts in draft-model windows: off' in line and 'guessed drafts: lookup' in line
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1')
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', '0')
+    line = startup_message('0.18.0', 'eagle3', 3)
+    assert ('draft-model logits masked: off (LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0; verification only); '
+            'forced drafts in draft-model windows: off (with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0)') in line
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', 'nonsense')
     assert 'guessed drafts: invalid' in startup_message('0.14.0', 'grammar', 2)
 
