@@ -77,7 +77,8 @@ def test_greedy_speculative_equals_non_speculative(engines, method):
 
 def test_free_drafts_verified_under_the_grammar_equal_non_speculative(engines, monkeypatch):
     """``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0``: the Eagle3 draft drafts without the grammar's masks, so some drafts
-    break the grammar; verification alone keeps the output what guided decoding without speculation writes."""
+    break the grammar; verification alone keeps the output what guided decoding without speculation writes (greedy
+    rows token for token), and sampled rows in the same batch follow their grammar."""
     from e2e_helpers import Engines
     key = ('free-drafts', 'eagle3')
     if key not in engines._pipes:
@@ -99,11 +100,16 @@ def test_free_drafts_verified_under_the_grammar_equal_non_speculative(engines, m
     chunk = PAIRS[:BATCH]
     prompts = [p for _, p in chunk]
     configs = [gen_config(fmt, max_new_tokens=128) for fmt, _ in chunk]
-    outputs = generate(spec, prompts, configs)
+    # sampled rows in the same batch: the rejection sampler accepts a draft with the masked target's probability
+    sampled = [gen_config(fmt, sampling=True, seed=200 + i, max_new_tokens=128) for i, (fmt, _) in enumerate(chunk[:6])]
+    outputs = generate(spec, prompts + prompts[:6], configs + sampled)
     monkeypatch.undo()
     assert windows and not any(windows), 'every window drafted without masks'
     assert sum(broken) > 0, 'some free drafts broke the grammar (or ended it)'
     for (fmt, prompt), out, exp in zip(chunk, outputs, generate(ref, prompts, configs)):
         assert out.token_ids == exp.token_ids, (fmt, prompt, out.text, exp.text)
+        assert out.finish_reason == 'stop', (fmt, out)
+        check_valid(out.text, fmt)
+    for (fmt, _), out in zip(chunk, outputs[len(chunk):]):
         assert out.finish_reason == 'stop', (fmt, out)
         check_valid(out.text, fmt)
