@@ -131,7 +131,10 @@ echo "[wheelhouse] lmdeploy-guided-spec (this tree)"
 mkdir -p "$TMP/src"
 cp -r setup.py pyproject.toml README.md lmdeploy_guided_spec patches "$TMP/src"/
 find "$TMP/src" -name __pycache__ -prune -exec rm -rf {} +
-"${PIP[@]}" wheel -q --no-deps --no-build-isolation -w "$TMP/self" "$TMP/src"
+# without setuptools and wheel in the interpreter (a bare python3), pip builds in an isolated environment of its own
+ISOLATION=(--no-build-isolation)
+if ! "$PY" -c 'import setuptools, wheel' 2>/dev/null; then ISOLATION=(); fi
+"${PIP[@]}" wheel -q --no-deps "${ISOLATION[@]}" -w "$TMP/self" "$TMP/src"
 cp "$TMP"/self/lmdeploy_guided_spec-*.whl "$OUT"/
 "$PY" - "$OUT"/lmdeploy_guided_spec-*.whl patches <<'EOF'
 """The wheel must carry the patch series exactly as patches/ holds it."""
