@@ -110,6 +110,12 @@ def _measure(pipe, batch: int, guided: bool, max_new_tokens: int, counter: _Acce
     return dict(tokens=tokens, seconds=seconds, tps=tokens / seconds, per_step=per_step)
 
 
+def _mode(row: dict) -> str:
+    if row['free']:
+        return 'guided spec, free drafts'
+    return f'{"guided" if row["guided"] else "unguided"} {"speculative" if row["spec"] else "non-speculative"}'
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--method', choices=['eagle3', 'deepseek_mtp', 'grammar'], default='eagle3')
@@ -167,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                                       cache_max_entry_count=0.3, session_len=4096)
         spec_config = SpeculativeConfig(method=args.method, model=str(draft),
                                         num_speculative_tokens=args.num_spec_tokens) if spec else None
-        # the engine reads it once, when it builds its grammar manager
+        # the engine reads it once, when it builds its grammar manager; the caller's value comes back after
+        exported = os.environ.get('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
         os.environ['LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'] = '0' if free else '1'
-        pipe = pipeline(str(target), backend_config=backend, speculative_config=spec_config, log_level='ERROR')
-        os.environ.pop('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
+        try:
+            pipe = pipeline(str(target), backend_config=backend, speculative_config=spec_config, log_level='ERROR')
+        finally:
+            if exported is None:
+                os.environ.pop('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
+            else:
+                os.environ['LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'] = exported
         if spec:
             from lmdeploy.pytorch.backends.cuda import attention
             path = 'FA3' if attention.use_fa3_spec_decoding() else 'Triton paged kernel'
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 for guided in ((True, ) if free else (False, True)):
                     result = _measure(pipe, batch, guided, args.max_new_tokens, counter, spec)
                     rows.append(dict(spec=spec, guided=guided, free=free, batch=batch, **result))
+                    # as it is measured: a run stopped at a deadline keeps what it had
+                    print(f'measured: {_mode(rows[-1])}, batch {batch}: {result["tps"]:.1f} tokens/s', flush=True)
         finally:
             pipe.close()
         torch.cuda.empty_cache()
@@ -190,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
           f'max {args.max_new_tokens} new tokens, greedy; random weights')
     print(f'{"mode":<26} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')
     for r in rows:
-        mode = f'{"guided" if r["guided"] else "unguided"} {"speculative" if r["spec"] else "non-speculative"}'
-        if r['free']:
-            mode = 'guided spec, free drafts'
+        mode = _mode(r)
         per_step = 'n/a' if r['per_step'] is None else f'{r["per_step"]:.2f}'
         print(f'{mode:<26} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
     for batch in batch_sizes:

@@ -16,7 +16,7 @@ model's choice, and :meth:`DraftGrammar.propose` drafts a whole window from forc
 ``grammar`` and ``fsm``, no draft model).
 
 With ``mask_drafts=False`` the draft model drafts freely: :meth:`DraftGrammar.mask_logits_` returns at once and the
-engine thread never waits while it drafts. The worker still advances the forks by the drafted tokens and fills the
+engine thread does not wait while it drafts. The worker still advances the forks by the drafted tokens and fills the
 verification masks behind the device; a draft the grammar rejects ends its row's window there, and verification
 rejects it.
 """
@@ -123,8 +123,8 @@ class DraftGrammar:
         The engine's memo of long jump-forward texts: the forks start with their committed matcher's text and keep
         it as they accept drafts (needs ``tokenizer``).
     mask_drafts : bool, default: True
-        Mask the draft logits (:meth:`mask_logits_`). False: the draft model drafts freely and nothing on the engine
-        thread waits for the worker before verification; needs ``forced=False``.
+        Mask the draft logits (:meth:`mask_logits_`). False: the draft model drafts freely and the engine thread does
+        not wait for the worker while it drafts; needs ``forced=False``.
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -222,7 +222,8 @@ class DraftGrammar:
             # the same masks address row b of the draft logits and row b * (k + 1) + position of the flattened
             # verification logits
             verify_rows = [row * width + position for row in live]
-            if self.vocab_map is None and draft_masks:
+            if self.vocab_map is None and self.mask_drafts:
+                # every position, the bonus one included, as before masks could be off
                 draft, verify = self.sparse.build(rows, live, verify_rows)
             else:
                 verify, = self.sparse.build(rows, verify_rows)

@@ -102,7 +102,8 @@ class SpecGrammarManager:
     draft_masks : bool, optional
         Mask the draft model's logits in drafting windows; default: on, unless the environment variable
         ``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS`` is ``0``. Off, the draft model drafts freely, the engine thread does not
-        wait for the grammar worker while it drafts, and only verification is masked (a draft the grammar rejects is
+        wait for the grammar worker while it drafts (only, once per step, for the previous verification's commit),
+        and only verification is masked (a draft the grammar rejects is
         rejected there); forced and guessed drafts in windows are off with it. :meth:`propose` is not affected.
     """
 
