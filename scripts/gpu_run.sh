@@ -154,7 +154,7 @@ run_tests() {
     "$venv/bin/python" -c "from lmdeploy_guided_spec.support import tiny_models as tm
 for build in (tm.build_llama_target, tm.build_eagle3_draft, tm.build_deepseek_mtp_target): print(build())"
     local groups=(kernels:tests/gpu/test_paged_decode_cuda.py,tests/gpu/test_stream_ordering_cuda.py
-                  pipeline:tests/gpu/test_pipeline_spec.py server:tests/gpu/test_api_server.py)
+                  pipeline:tests/gpu/test_pipeline_spec.py,tests/gpu/test_full_kv_cache.py server:tests/gpu/test_api_server.py)
     local pids=() names=()
     for group in "${groups[@]}"; do
         local name=${group%%:*} paths=${group#*:}

@@ -176,20 +176,8 @@ LETTERS = '[a-z]{50}-[0-9]{30}'
 @pytest.fixture
 def preemptions(monkeypatch):
     """The number of decoding sequences the scheduler preempted, one entry per decoding step."""
-    from lmdeploy.pytorch.messages import MessageStatus
-    from lmdeploy.pytorch.paging.scheduler import Scheduler
-
-    counts = []
-    schedule_running = Scheduler.schedule_running
-
-    def counted(self, running, *args, **kwargs):
-        was_running = [seq.status == MessageStatus.RUNNING for seq in running]
-        valid = schedule_running(self, running, *args, **kwargs)
-        counts.append(sum(before and not kept for before, kept in zip(was_running, valid)))
-        return valid
-
-    monkeypatch.setattr(Scheduler, 'schedule_running', counted)
-    return counts
+    from lmdeploy_guided_spec.testing import count_preemptions
+    return count_preemptions(monkeypatch.setattr)
 
 
 def test_sequences_preempted_for_a_full_kv_cache(engines, preemptions):

@@ -48,11 +48,13 @@ class EngineRuns:
         self._results: dict[tuple, dict] = {}
 
     @staticmethod
-    def key(method: str, *, spec: bool, eager: bool, force_triton: bool = False) -> tuple:
-        return (method, spec, eager, force_triton and spec)
+    def key(method: str, *, spec: bool, eager: bool, force_triton: bool = False, workload: str = 'jobs') -> tuple:
+        return (method, spec, eager, force_triton and spec, workload)
 
-    def get(self, method: str, *, spec: bool, eager: bool, force_triton: bool = False) -> dict:
-        key = self.key(method, spec=spec, eager=eager, force_triton=force_triton)
+    def get(self, method: str, *, spec: bool, eager: bool, force_triton: bool = False, workload: str = 'jobs') -> dict:
+        """The outputs of one engine configuration; ``workload`` names the requests and the cache
+        (:data:`gpu_cases.WORKLOADS`)."""
+        key = self.key(method, spec=spec, eager=eager, force_triton=force_triton, workload=workload)
         if key not in self._results:
             self._results[key] = self._run(*key)
         return self._results[key]
@@ -71,12 +73,12 @@ class EngineRuns:
         with ThreadPoolExecutor(max(1, parallel)) as pool:
             list(pool.map(one, todo))
 
-    def _run(self, method: str, spec: bool, eager: bool, force_triton: bool) -> dict:
+    def _run(self, method: str, spec: bool, eager: bool, force_triton: bool, workload: str = 'jobs') -> dict:
         target, draft = gpu_cases.targets(self.models, method)
         name = f'{method}-{"spec" if spec else "nospec"}-{"eager" if eager else "graph"}' + (
-            '-triton' if force_triton else '')
+            '-triton' if force_triton else '') + ('' if workload == 'jobs' else f'-{workload}')
         cfg = dict(model=str(target), method=method if spec else None, draft=str(draft) if spec else None,
-                   eager=eager, force_triton=force_triton)
+                   eager=eager, force_triton=force_triton, workload=workload)
         if SAVED_RUNS:
             saved = Path(SAVED_RUNS) / f'{name}.out.json'
             if not saved.exists():

@@ -4,7 +4,8 @@ The GPU tests start one worker process per engine configuration: LMDEPLOY_GUIDED
 once per process, and a fresh process leaves the GPU clean for the next configuration.
 
 Usage: ``python tests/gpu/engine_worker.py CONFIG.json OUT.json`` with CONFIG holding ``model``, ``method`` (null
-for no speculation), ``draft``, ``num_spec_tokens``, ``eager`` and ``force_triton``.
+for no speculation), ``draft``, ``num_spec_tokens``, ``eager``, ``force_triton`` and ``workload``
+(:data:`gpu_cases.WORKLOADS`).
 """
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ def run(cfg: dict) -> dict:
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     from lmdeploy.messages import SpeculativeConfig
 
+    jobs, engine_fields = gpu_cases.WORKLOADS[cfg.get('workload', 'jobs')]
     backend = PytorchEngineConfig(eager_mode=bool(cfg['eager']), max_batch_size=max(gpu_cases.BATCH_SIZES),
-                                  cache_max_entry_count=0.2, session_len=4096, logprobs_mode='raw_logits')
+                                  cache_max_entry_count=0.2, session_len=4096, logprobs_mode='raw_logits',
+                                  **engine_fields)
+    from lmdeploy_guided_spec.testing import count_preemptions
+    preemptions = count_preemptions()
     spec = None
     if cfg.get('method'):
         spec = SpeculativeConfig(method=cfg['method'], model=cfg['draft'],
@@ -50,7 +55,7 @@ def run(cfg: dict) -> dict:
                 device=torch.cuda.get_device_name(), startup_s=round(time.perf_counter() - start, 2))
     results = {}
     try:
-        for job in gpu_cases.jobs():
+        for job in getattr(gpu_cases, jobs)():
             gens = []
             for g in job['gen']:
                 g = dict(g)
@@ -62,7 +67,9 @@ def run(cfg: dict) -> dict:
                                         outputs=[_response(o) for o in outs])
     finally:
         pipe.close()
+    info['preemptions'] = sum(preemptions)
     return dict(config=cfg, info=info, jobs=results)
+
 
 
 def main(argv: list[str]) -> int:

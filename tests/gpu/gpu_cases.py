@@ -37,6 +37,19 @@ NEAR_TIE_ABS = 0.02
 NEAR_TIE_REL = 0.005
 
 
+# A full KV cache: 8 blocks of 64 tokens for 12 requests of up to 120 new tokens, so the scheduler preempts decoding
+# sequences and prefills them again (as tests/e2e/test_deployment.py does on the CPU path)
+DIGITS = {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9}, 'minItems': 30, 'maxItems': 30}
+LETTERS = '[a-z]{50}-[0-9]{30}'
+PREEMPT_KINDS = ('digits', 'letters', 'text', 'json_object')
+#: workload name -> (the jobs, PytorchEngineConfig fields beyond the worker's own)
+WORKLOADS = {
+    'jobs': ('jobs', {}),
+    'preempt': ('preempt_jobs', dict(num_gpu_blocks=8)),
+    'preempt-ref': ('preempt_jobs', {}),
+}
+
+
 def targets(models: dict[str, Path], method: str) -> tuple[Path, Path]:
     """Target and draft directories of a speculative method, from the tiny models ``llama``, ``eagle3`` and
     ``deepseek``."""
@@ -56,6 +69,10 @@ def response_format(kind: str) -> dict | None:
         return {'type': 'regex_schema', 'regex_schema': REGEX}
     if kind == 'json_object':
         return {'type': 'json_object'}
+    if kind == 'digits':
+        return {'type': 'json_schema', 'json_schema': {'name': 'digits', 'schema': DIGITS}}
+    if kind == 'letters':
+        return {'type': 'regex_schema', 'regex_schema': LETTERS}
     if kind == 'text':
         return None
     raise ValueError(f'unknown format kind {kind!r}')
@@ -80,6 +97,19 @@ def jobs() -> list[dict]:
     return out
 
 
+def preempt_jobs() -> list[dict]:
+    """One batch of 12 long requests for a full KV cache: a 30-digit array, a fixed-length regex, unguided rows
+    that ignore their stop tokens and ``json_object``; every third row sampled."""
+    prompts = [f'Request {i}: write what is asked, at length.' for i in range(12)]
+    gen = []
+    for i in range(12):
+        kind, greedy = PREEMPT_KINDS[i % 4], i % 3 != 2
+        gen.append(dict(max_new_tokens=120, do_sample=not greedy, temperature=1.0, top_k=1 if greedy else 40,
+                        top_p=1.0 if greedy else 0.95, random_seed=2000 + i, logprobs=5 if greedy else None,
+                        ignore_eos=kind == 'text', kind=kind))
+    return [dict(name='preempt-12', kind='mixed', greedy=None, batch=12, prompts=prompts, gen=gen)]
+
+
 def guided_matcher(manager, session_id: int, kind: str):
     """A fresh matcher of ``kind``'s grammar from an lmdeploy ``GuidedDecodingManager``, compiled as the engine
     compiles it, on any release: 0.14 takes ``(session_id, seq_id, schema, kind)``, later releases
@@ -87,9 +117,10 @@ def guided_matcher(manager, session_id: int, kind: str):
     import inspect
     if len(inspect.signature(manager.get_processor).parameters) == 3:
         return manager.get_processor(session_id, 0, response_format(kind))
-    schema = {'json_schema': json.dumps(SCHEMA), 'regex_schema': REGEX,
-              'json_object': '{"type" : "object", "additionalProperties": true}'}[kind]
-    return manager.get_processor(session_id, 0, schema, kind)
+    schema = {'json_schema': json.dumps(SCHEMA), 'regex_schema': REGEX, 'digits': json.dumps(DIGITS),
+              'letters': LETTERS, 'json_object': '{"type" : "object", "additionalProperties": true}'}[kind]
+    lmdeploy_kind = {'digits': 'json_schema', 'letters': 'regex_schema'}.get(kind, kind)
+    return manager.get_processor(session_id, 0, schema, lmdeploy_kind)
 
 
 def check_guided_output(manager, session_id: int, kind: str, token_ids: list[int], text: str, finish_reason: str,
@@ -108,16 +139,25 @@ def check_guided_output(manager, session_id: int, kind: str, token_ids: list[int
             assert matcher.accept_token(token), f'token {token} at {pos} is rejected by the grammar: {text!r}'
         if finish_reason == 'stop':
             assert matcher.is_terminated() or matcher.is_completed(), f'stopped before the grammar completed: {text!r}'
-            if kind == 'regex_schema':
-                assert re.fullmatch(REGEX, text), text
+            if kind in ('regex_schema', 'letters'):
+                assert re.fullmatch(REGEX if kind == 'regex_schema' else LETTERS, text), text
             else:
                 value = json.loads(text)
-                assert isinstance(value, dict), text
-                if kind == 'json_schema':
+                if kind in ('json_schema', 'digits'):
                     import jsonschema
-                    jsonschema.validate(value, SCHEMA)
+                    jsonschema.validate(value, SCHEMA if kind == 'json_schema' else DIGITS)
+                else:
+                    assert isinstance(value, dict), text
     finally:
         manager.remove_processor(session_id)
+
+
+def dict_logprobs(out: dict) -> dict:
+    """An output as the worker saved it (JSON: logprobs as ``[token, value]`` pairs) with logprobs as dicts, the form
+    :func:`compare_greedy` reads."""
+    if out.get('logprobs') is None:
+        return out
+    return dict(out, logprobs=[{int(t): v for t, v in step} for step in out['logprobs']])
 
 
 def _near_tie(lps: dict[int, float] | None, a: int, b: int) -> bool:

@@ -76,18 +76,12 @@ def _compare(spec_run, ref_run):
         ref_outs = ref_run['jobs'][job['name']]['outputs']
         for i, (gen, a, b) in enumerate(zip(job['gen'], spec_outs, ref_outs)):
             total += 1
-            verdict = gpu_cases.compare_greedy(_with_dict_logprobs(a), _with_dict_logprobs(b))
+            verdict = gpu_cases.compare_greedy(gpu_cases.dict_logprobs(a), gpu_cases.dict_logprobs(b))
             if verdict == 'near-tie':
                 near_ties += 1
             elif verdict is not None:
                 mismatches.append(f'{job["name"]}[{i}] ({gen["kind"]}): {verdict}')
     return mismatches, near_ties, total
-
-
-def _with_dict_logprobs(out):
-    if out.get('logprobs') is None:
-        return out
-    return dict(out, logprobs=[{int(t): v for t, v in step} for step in out['logprobs']])
 
 
 @pytest.mark.parametrize('attention', ATTENTION)
