@@ -105,14 +105,23 @@ class EngineRuns:
 
 
 def _engine_keys(items) -> list[tuple]:
-    """The engine configurations the selected tests of test_pipeline_spec.py ask for (FA3 ones included: a test
-    without FA3 skips before it asks, and prefetch leaves those out)."""
+    """The engine configurations the selected tests of test_pipeline_spec.py and test_full_kv_cache.py ask for (FA3
+    ones included: a test without FA3 skips before it asks, and prefetch leaves those out)."""
     keys = []
     for item in items:
+        params = getattr(getattr(item, 'callspec', None), 'params', {})
+        if item.nodeid.startswith('tests/gpu/test_full_kv_cache.py'):
+            keys += [EngineRuns.key('eagle3', spec=params['spec'], eager=False, force_triton=params['spec'],
+                                    workload='preempt'),
+                     EngineRuns.key('eagle3', spec=False, eager=False, workload='preempt-ref')]
+            continue
         if not item.nodeid.startswith('tests/gpu/test_pipeline_spec.py'):
             continue
-        params = getattr(getattr(item, 'callspec', None), 'params', {})
         method, eager = params.get('method'), params.get('eager')
+        if item.originalname == 'test_free_drafts_follow_their_grammar_and_equal_non_speculative':
+            keys += [EngineRuns.key(method, spec=True, eager=False, force_triton=True, workload='free-drafts'),
+                     EngineRuns.key(method, spec=False, eager=False)]
+            continue
         if item.originalname == 'test_cuda_graphs_and_eager_mode_agree':
             keys += [EngineRuns.key(method, spec=True, eager=e, force_triton=True) for e in (False, True)]
             continue

@@ -38,7 +38,8 @@ def run(cfg: dict) -> dict:
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     from lmdeploy.messages import SpeculativeConfig
 
-    jobs, engine_fields = gpu_cases.WORKLOADS[cfg.get('workload', 'jobs')]
+    jobs, engine_fields, engine_env = gpu_cases.WORKLOADS[cfg.get('workload', 'jobs')]
+    os.environ.update(engine_env)
     backend = PytorchEngineConfig(eager_mode=bool(cfg['eager']), max_batch_size=max(gpu_cases.BATCH_SIZES),
                                   cache_max_entry_count=0.2, session_len=4096, logprobs_mode='raw_logits',
                                   **engine_fields)

@@ -42,11 +42,13 @@ NEAR_TIE_REL = 0.005
 DIGITS = {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9}, 'minItems': 30, 'maxItems': 30}
 LETTERS = '[a-z]{50}-[0-9]{30}'
 PREEMPT_KINDS = ('digits', 'letters', 'text', 'json_object')
-#: workload name -> (the jobs, PytorchEngineConfig fields beyond the worker's own)
+#: workload name -> (the jobs, PytorchEngineConfig fields beyond the worker's own, environment of the engine)
 WORKLOADS = {
-    'jobs': ('jobs', {}),
-    'preempt': ('preempt_jobs', dict(num_gpu_blocks=8)),
-    'preempt-ref': ('preempt_jobs', {}),
+    'jobs': ('jobs', {}, {}),
+    'preempt': ('preempt_jobs', dict(num_gpu_blocks=8), {}),
+    'preempt-ref': ('preempt_jobs', {}, {}),
+    # draft models draft without the grammar's masks; verification alone keeps the output
+    'free-drafts': ('jobs', {}, {'LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS': '0'}),
 }
 
 

@@ -102,3 +102,14 @@ def test_cuda_graphs_and_eager_mode_agree(engine_runs, method):
                                             engine_runs.get(method, spec=True, eager=True, force_triton=True))
     assert not mismatches, '\n'.join(mismatches[:20])
     assert near_ties <= total // 10
+
+
+@pytest.mark.parametrize('method', METHODS)
+def test_free_drafts_follow_their_grammar_and_equal_non_speculative(engine_runs, grammar_checkers, method):
+    """``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0`` with CUDA graphs: the draft model drafts without the grammar's masks and
+    verification alone keeps every guided output on its grammar and greedy output equal to non-speculative."""
+    run = engine_runs.get(method, spec=True, eager=False, force_triton=True, workload='free-drafts')
+    assert _check_all(run, grammar_checkers(method)) > 0
+    mismatches, near_ties, total = _compare(run, engine_runs.get(method, spec=False, eager=False))
+    assert not mismatches, '\n'.join(mismatches[:20])
+    assert near_ties <= total // 10
