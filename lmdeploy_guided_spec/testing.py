@@ -15,8 +15,7 @@ import xgrammar as xgr
 
 from .bitmask import unpack_bitmask
 
-__all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens',
-           'count_preemptions']
+__all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens']
 
 
 @dataclass(frozen=True)
@@ -109,23 +108,3 @@ def _per_thread_streams(monkeypatch, reads: list, *lmdeploy_modules) -> None:
             monkeypatch.setattr(module, 'record_ready', record_ready)
     for module in (manager, draft, step):
         monkeypatch.setattr(module, 'host_lists', checked_host_lists)
-
-
-def count_preemptions(setattr_=setattr) -> list[int]:
-    """Count the decoding sequences lmdeploy's scheduler preempts (a full KV cache), one entry per step, from now on
-    in this process (where the scheduler runs). ``setattr_`` installs the counter on ``Scheduler`` (a test's
-    ``monkeypatch.setattr`` takes it away again)."""
-    from lmdeploy.pytorch.messages import MessageStatus
-    from lmdeploy.pytorch.paging.scheduler import Scheduler
-
-    counts: list[int] = []
-    schedule_running = Scheduler.schedule_running
-
-    def counted(self, running, *args, **kwargs):
-        was_running = [seq.status == MessageStatus.RUNNING for seq in running]
-        valid = schedule_running(self, running, *args, **kwargs)
-        counts.append(sum(before and not kept for before, kept in zip(was_running, valid)))
-        return valid
-
-    setattr_(Scheduler, 'schedule_running', counted)
-    return counts

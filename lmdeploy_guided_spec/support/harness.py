@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ['enable_cpu_triton', 'GenRequest', 'StepRecord', 'SpecHarness', 'run_non_speculative', 'PrefixModel']
+__all__ = ['enable_cpu_triton', 'GenRequest', 'StepRecord', 'SpecHarness', 'run_non_speculative', 'PrefixModel',
+           'count_preemptions']
 
 #: A scripted model: token prefix (generated tokens so far) -> logits ``(vocab,)``.
 PrefixModel = Callable[[Sequence[int]], torch.Tensor]
@@ -331,3 +332,23 @@ def run_non_speculative(tokenizer, vocab_size: int, target: PrefixModel, request
             pending = [r for r in pending if r.finish_reason is None]
 
     asyncio.run(_run())
+
+
+def count_preemptions(setattr_=setattr) -> list[int]:
+    """Count the decoding sequences lmdeploy's scheduler preempts (a full KV cache), one entry per step, from now on
+    in this process (where the scheduler runs). ``setattr_`` installs the counter on ``Scheduler`` (a test's
+    ``monkeypatch.setattr`` takes it away again)."""
+    from lmdeploy.pytorch.messages import MessageStatus
+    from lmdeploy.pytorch.paging.scheduler import Scheduler
+
+    counts: list[int] = []
+    schedule_running = Scheduler.schedule_running
+
+    def counted(self, running, *args, **kwargs):
+        was_running = [seq.status == MessageStatus.RUNNING for seq in running]
+        valid = schedule_running(self, running, *args, **kwargs)
+        counts.append(sum(before and not kept for before, kept in zip(was_running, valid)))
+        return valid
+
+    setattr_(Scheduler, 'schedule_running', counted)
+    return counts

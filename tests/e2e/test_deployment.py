@@ -176,7 +176,7 @@ LETTERS = '[a-z]{50}-[0-9]{30}'
 @pytest.fixture
 def preemptions(monkeypatch):
     """The number of decoding sequences the scheduler preempted, one entry per decoding step."""
-    from lmdeploy_guided_spec.testing import count_preemptions
+    from lmdeploy_guided_spec.support.harness import count_preemptions
     return count_preemptions(monkeypatch.setattr)
 
 

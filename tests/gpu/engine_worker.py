@@ -43,7 +43,7 @@ def run(cfg: dict) -> dict:
     backend = PytorchEngineConfig(eager_mode=bool(cfg['eager']), max_batch_size=max(gpu_cases.BATCH_SIZES),
                                   cache_max_entry_count=0.2, session_len=4096, logprobs_mode='raw_logits',
                                   **engine_fields)
-    from lmdeploy_guided_spec.testing import count_preemptions
+    from lmdeploy_guided_spec.support.harness import count_preemptions
     preemptions = count_preemptions()
     spec = None
     if cfg.get('method'):
