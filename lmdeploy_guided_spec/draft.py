@@ -228,7 +228,8 @@ class DraftGrammar:
             else:
                 verify, = self.sparse.build(rows, verify_rows)
                 # a draft with its own vocabulary: translate here, on the worker, not on the engine thread
-                draft = self.vocab_map.sparse_builder().build(rows, live)[0] if draft_masks and self.vocab_map else None
+                draft = (self.vocab_map.sparse_builder().build(rows, live)[0]
+                         if draft_masks and self.vocab_map is not None else None)
             self._draft_sparse.append(draft)
             self._verify_sparse.append(verify)
         if self.forced and draft_position:

@@ -415,23 +415,21 @@ class GuessDrafts:
     ----------
     tokenizer : ForcedTokenizer
         The model's tokenizer: token bytes, canonical tokenization.
-    vocab_size : int
-        The model's vocabulary size (bitmask width).
     sources : sequence of str, optional
         Guess sources to use, from :data:`SOURCES`; default: :func:`guess_sources_from_env`.
     """
 
-    def __init__(self, tokenizer: ForcedTokenizer, vocab_size: int, *, sources: Sequence[str] | None = None):
+    def __init__(self, tokenizer: ForcedTokenizer, *, sources: Sequence[str] | None = None):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.sources = tuple(guess_sources_from_env() if sources is None else sources)
         self.memory = WhitespaceMemory()
         # id(matcher) -> (weak reference, history); matchers are not hashable, and a history goes with its matcher
         self._histories: dict[int, tuple[weakref.ref, RequestHistory]] = {}
         self._sessions: dict[int, weakref.ref] = {}
-        self._byte_ids: np.ndarray | None = None
-        self._byte_values: np.ndarray | None = None
+        # ASCII byte -> a token of that byte alone, and the same as arrays (read from the vocabulary on first use)
         self._byte_tokens: dict[int, int] = {}
+        self._byte_values: np.ndarray | None = None
+        self._byte_ids: np.ndarray | None = None
         #: Counters over every window: ``steps`` (verification steps of guided requests), ``windows`` (those that
         #: drafted anything), ``rejected`` (windows whose first rejected draft was a real draft),
         #: ``<source>_drafted`` and ``<source>_accepted`` for ``forced`` and each guess source.
@@ -525,9 +523,9 @@ class GuessDrafts:
             for token, data in enumerate(vocab):
                 if len(data) == 1 and data[0] < 0x80 and data[0] not in found and self.tokenizer.token_bytes(token):
                     found[data[0]] = token
-            self._byte_values = np.asarray(sorted(found), dtype=np.int64)
-            self._byte_ids = np.asarray([found[b] for b in sorted(found)], dtype=np.int64)
-            self._byte_tokens = {b: found[b] for b in sorted(found)}
+            self._byte_tokens = dict(sorted(found.items()))
+            self._byte_values = np.asarray(list(self._byte_tokens), dtype=np.int64)
+            self._byte_ids = np.asarray(list(self._byte_tokens.values()), dtype=np.int64)
         if mask_row is not None:
             words = uint32_words(mask_row)
             ids = self._byte_ids

@@ -103,8 +103,8 @@ class SpecGrammarManager:
         Mask the draft model's logits in drafting windows; default: on, unless the environment variable
         ``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS`` is ``0``. Off, the draft model drafts freely, the engine thread does not
         wait for the grammar worker while it drafts (only, once per step, for the previous verification's commit),
-        and only verification is masked (a draft the grammar rejects is
-        rejected there); forced and guessed drafts in windows are off with it. :meth:`propose` is not affected.
+        and only verification is masked (a draft the grammar rejects is rejected there); forced and guessed drafts
+        in windows are off with it. :meth:`propose` is not affected.
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
@@ -136,7 +136,7 @@ class SpecGrammarManager:
         self.guesses: GuessDrafts | None = None
         if self.forced_tokenizer is not None and guess_drafts is not False:
             sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
-            guesses = GuessDrafts(self.forced_tokenizer, vocab_size, sources=sources)
+            guesses = GuessDrafts(self.forced_tokenizer, sources=sources)
             self.guesses = guesses if guesses.enabled else None
         self.window_guesses = True if window_guesses is None else window_guesses
         #: Long jump-forward texts of committed matchers and their forks (:class:`JumpForwardMemo`)

@@ -38,15 +38,17 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         guessed = ','.join(guess_sources_from_env()) or 'off'
     except ValueError as err:
         guessed = f'invalid ({err})'
-    forced = forced_drafts_from_env()
     masked = draft_masks_from_env()
+    if not forced_drafts_from_env():
+        forced = f'off ({FORCED_DRAFTS_ENV}=0)'
+    else:
+        # forced drafts wait for the position's mask: off where the draft logits are not masked
+        forced = 'on' if masked else f'off (with {DRAFT_MASKS_ENV}=0)'
     return {
         'compile service': compile_service,
         'whitespace': "'any' unless a response_format says 'single' or 'compact'",
         'draft-model logits masked': 'on' if masked else f'off ({DRAFT_MASKS_ENV}=0; verification only)',
-        'forced drafts in draft-model windows': ('on' if forced and masked else
-                                                 f'off ({FORCED_DRAFTS_ENV}=0)' if not forced else
-                                                 f'off (with {DRAFT_MASKS_ENV}=0)'),
+        'forced drafts in draft-model windows': forced,
         'guessed drafts': f'{guessed} (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)',
     }
 

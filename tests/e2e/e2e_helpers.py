@@ -1,6 +1,7 @@
 """Pipelines, requests, grammars and checks shared by the end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,6 +116,21 @@ def serialize_forwards() -> None:
         setattr(module, name, serialized)
 
 
+@contextlib.contextmanager
+def environ(env: dict | None):
+    """``env`` set in this process's environment while the block runs, the previous values restored after."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Engines:
     """Pipelines of the named CPU models, built on first use and shared by the tests of a session."""
 
@@ -122,11 +138,16 @@ class Engines:
         self._pipes = {}
         serialize_forwards()
 
-    def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS, **engine_options):
-        """The pipeline; ``engine_options`` are ``PytorchEngineConfig`` fields beyond ``ENGINE_KWARGS``."""
+    def __call__(self, target: str, spec: bool = True, num_spec_tokens: int = NUM_SPEC_TOKENS, *,
+                 env: dict[str, str] | None = None, **engine_options):
+        """The pipeline; ``engine_options`` are ``PytorchEngineConfig`` fields beyond ``ENGINE_KWARGS``, ``env``
+        environment variables set while the engine builds (settings it reads once, then)."""
         key = (target, spec, num_spec_tokens if spec else 0, *sorted(engine_options.items()))
+        if env:
+            key += (('env', tuple(sorted(env.items()))), )
         if key not in self._pipes:
-            self._pipes[key] = self._build(target, spec, num_spec_tokens, engine_options)
+            with environ(env):
+                self._pipes[key] = self._build(target, spec, num_spec_tokens, engine_options)
         return self._pipes[key]
 
     @staticmethod

@@ -79,14 +79,8 @@ def test_free_drafts_verified_under_the_grammar_equal_non_speculative(engines, m
     """``LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0``: the Eagle3 draft drafts without the grammar's masks, so some drafts
     break the grammar; verification alone keeps the output what guided decoding without speculation writes (greedy
     rows token for token), and sampled rows in the same batch follow their grammar."""
-    from e2e_helpers import Engines
-    key = ('free-drafts', 'eagle3')
-    if key not in engines._pipes:
-        with monkeypatch.context() as env:
-            # read once, when the engine builds its grammar manager
-            env.setenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', '0')
-            engines._pipes[key] = Engines._build(METHODS['eagle3'], True, 3, {})
-    spec, ref = engines._pipes[key], engines(METHODS['eagle3'], spec=False)
+    spec = engines(METHODS['eagle3'], env={'LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS': '0'})
+    ref = engines(METHODS['eagle3'], spec=False)
     windows, broken = [], []
     advance = DraftGrammar._advance
 

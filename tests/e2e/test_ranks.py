@@ -16,7 +16,6 @@ printed (``-s``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -29,6 +28,7 @@ from e2e_helpers import (
     Output,
     banned_tokens_and_dead_ends,
     check_valid,
+    environ,
     free_port,
     gen_config,
     generate,
@@ -64,23 +64,8 @@ def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method
     config = PytorchEngineConfig(tp=tp, dp=dp, dp_rank=dp_rank, distributed_executor_backend='mp',
                                  **{**ENGINE_KWARGS, **engine_options})
     # the rank processes inherit this process's environment when they start
-    with _environ(env):
+    with environ(env):
         return pipeline(models.resolve(target), backend_config=config, speculative_config=spec, log_level='ERROR')
-
-
-@contextlib.contextmanager
-def _environ(env: dict | None):
-    """``env`` set in this process's environment while the block runs, the previous values restored after."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _configs():
@@ -354,7 +339,7 @@ def test_tp2_server_traffic(cpu_path, method, tmp_path):
         args += ['--speculative-draft-model', models.resolve(draft)]
     start = time.perf_counter()
     # the server's engine and rank processes inherit the draft log's directory
-    with _environ({ranks.DRAFT_LOG_ENV: str(drafts)}):
+    with environ({ranks.DRAFT_LOG_ENV: str(drafts)}):
         proc, base = start_server(args, log, max_batch_size=16, model=target)
     print(f'\n[tp=2 server {method}] start-up {time.perf_counter() - start:.1f} s')
     try:
@@ -449,7 +434,7 @@ class DPEngines:
         import sys
         import threading
         env = {**(env or {}), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
-        with _environ(env):
+        with environ(env):
             self.rank_1 = subprocess.Popen([sys.executable, '-c', _RANK_1, os.path.dirname(__file__), target,
                                             method or '', draft or ''], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, text=True)

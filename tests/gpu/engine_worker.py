@@ -72,7 +72,6 @@ def run(cfg: dict) -> dict:
     return dict(config=cfg, info=info, jobs=results)
 
 
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)

@@ -223,7 +223,7 @@ def test_prompt_lookup_copies_values(real_tokenizer):
 
 def test_histories_follow_their_matchers():
     name = 'llama3'
-    guesses = GuessDrafts(_manager(name).forced_tokenizer, _tokenizer(name)[2], sources=('format', ))
+    guesses = GuessDrafts(_manager(name).forced_tokenizer, sources=('format', ))
     matcher = xgr.GrammarMatcher(_compiled(name, 'person'))
     guesses.committed({0: matcher}, [[_encode(name, '{')[0]]])
     assert guesses.num_histories == 1
