@@ -364,6 +364,18 @@ class SpecGrammarManager:
         self._keep(window, matchers, session_ids)
         return window
 
+    def keeps_grammar(self, *, samples: bool, draft_model: bool) -> bool:
+        """Whether a rank needs the grammar state of the guided requests while it drafts.
+
+        ``samples``: the rank verifies and samples (the first rank of a tensor-parallel group); ``draft_model``: the
+        drafts come from a draft model (MTP, Eagle3), not from the grammar (methods ``grammar`` and ``fsm``). A rank
+        that samples always does. A rank that does not sample drafts beside it and must draft the same tokens: it
+        needs the grammar where the drafts depend on it (masked draft logits, forced drafts, drafts the grammar
+        makes), not where a draft model drafts freely (``draft_masks`` off): such a rank neither compiles nor
+        commits nor fills anything.
+        """
+        return samples or not draft_model or self.draft_masks
+
     def _keep(self, window: DraftGrammar, matchers: Matchers, session_ids: Sequence[int] | None) -> None:
         if session_ids is not None:
             for row in matchers:

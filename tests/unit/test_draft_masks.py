@@ -111,3 +111,15 @@ def test_a_free_draft_the_grammar_rejects_is_rejected_at_verification():
     reference.fill_next_token_bitmask(expected, 0)
     assert torch.equal(allowed[1], unpack_bitmask(expected, vocab)[0]), 'the state after the accepted draft'
     assert allowed[2:].all(), 'positions after the rejected draft allow every token'
+
+
+@pytest.mark.parametrize('draft_masks', [True, False], ids=['masked', 'free'])
+def test_which_ranks_keep_grammar_state(draft_masks):
+    """The rank that samples always keeps the grammar; a tensor-parallel rank that does not sample keeps it where
+    its drafts depend on it (masked draft logits, drafts the grammar makes), and not where a draft model drafts
+    freely."""
+    manager = _manager(draft_masks, sparse=True)
+    assert manager.keeps_grammar(samples=True, draft_model=True)
+    assert manager.keeps_grammar(samples=True, draft_model=False)
+    assert manager.keeps_grammar(samples=False, draft_model=False)
+    assert manager.keeps_grammar(samples=False, draft_model=True) is draft_masks
