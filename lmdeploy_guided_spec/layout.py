@@ -8,7 +8,7 @@ it); :class:`WhitespaceMemory` remembers what was written at each place and pred
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 __all__ = ['WHITESPACE', 'JsonLayout', 'WhitespaceMemory', 'Place']
 
@@ -116,22 +116,24 @@ class WhitespaceMemory:
         self.fallback = fallback
         self._latest: dict[Place, bytes] = {}
         # (kind of before, after) -> Counter of runs written, indentation turned into its unit as ('unit', unit)
-        self._kinds: dict[tuple[int, int], Counter] = {}
+        self._kinds: dict[tuple[int, int], Counter] = defaultdict(Counter)
         # before -> Counter of runs written whatever came after (for places where several values may follow)
-        self._before: dict[int, Counter] = {}
+        self._before: dict[int, Counter] = defaultdict(Counter)
         # kind of before -> Counter of the bytes written after its run
-        self._after: dict[int, Counter] = {}
+        self._after: dict[int, Counter] = defaultdict(Counter)
 
     def observe(self, place: Place, run: bytes) -> None:
         """Record that ``run`` was written at ``place``."""
-        self._latest[place] = run
         unit = _unit(place, run)
         key = ('unit', unit) if unit is not None else ('run', run)
-        self._kinds.setdefault(_kind(place[0], place[2]), Counter())[key] += 1
-        self._before.setdefault(place[0], Counter())[key] += 1
-        self._after.setdefault(_kind(place[0], place[2])[0], Counter())[place[2]] += 1
-        if self.fallback is not None:
-            self.fallback.observe(place, run)
+        kind = _kind(place[0], place[2])
+        memory = self
+        while memory is not None:  # this memory, then its fallbacks (an engine-wide memory)
+            memory._latest[place] = run
+            memory._kinds[kind][key] += 1
+            memory._before[place[0]][key] += 1
+            memory._after[kind[0]][place[2]] += 1
+            memory = memory.fallback
 
     def likely_after(self, before: int, candidates: set[int] | frozenset[int]) -> int | None:
         """Of ``candidates`` (bytes the grammar allows after a whitespace run that follows ``before``), the one

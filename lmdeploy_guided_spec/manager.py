@@ -105,13 +105,19 @@ class SpecGrammarManager:
         wait for the grammar worker while it drafts (only, once per step, for the previous verification's commit),
         and only verification is masked (a draft the grammar rejects is rejected there); forced and guessed drafts
         in windows are off with it. :meth:`propose` is not affected.
+    draft_model : bool, optional
+        Whether the engine's drafts come from a draft model (MTP, Eagle3: :meth:`begin_draft`) rather than from the
+        grammar (methods ``grammar`` and ``fsm``: :meth:`propose`); default: not known. Known to be a draft model with
+        ``draft_masks`` off, nothing reads what the grammar forces or what a request wrote: the commits keep no guess
+        histories and no jump-forward memo, and ranks that do not sample keep no grammar state
+        (:meth:`keeps_grammar`).
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
                  tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
                  guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool | None = None,
-                 draft_masks: bool | None = None):
+                 draft_masks: bool | None = None, draft_model: bool | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -127,6 +133,9 @@ class SpecGrammarManager:
             forced_drafts = forced_drafts_from_env()
         self.forced_drafts = forced_drafts
         self.draft_masks = draft_masks_from_env() if draft_masks is None else draft_masks
+        self.draft_model = draft_model
+        # free drafts of a draft model: forced tokens, guesses and their bookkeeping would go unread
+        bookkeeping = not (draft_model and not self.draft_masks)
         self.forced_tokenizer = None
         if tokenizer is not None:
             self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
@@ -134,13 +143,13 @@ class SpecGrammarManager:
             self.worker.submit(self.forced_tokenizer.prepare)
         #: Histories and guessed drafts of the guided requests (None without a tokenizer or with no source on)
         self.guesses: GuessDrafts | None = None
-        if self.forced_tokenizer is not None and guess_drafts is not False:
+        if self.forced_tokenizer is not None and guess_drafts is not False and bookkeeping:
             sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
             guesses = GuessDrafts(self.forced_tokenizer, sources=sources)
             self.guesses = guesses if guesses.enabled else None
         self.window_guesses = True if window_guesses is None else window_guesses
         #: Long jump-forward texts of committed matchers and their forks (:class:`JumpForwardMemo`)
-        self.jumps = JumpForwardMemo() if self.forced_tokenizer is not None else None
+        self.jumps = JumpForwardMemo() if self.forced_tokenizer is not None and bookkeeping else None
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)
@@ -364,17 +373,16 @@ class SpecGrammarManager:
         self._keep(window, matchers, session_ids)
         return window
 
-    def keeps_grammar(self, *, samples: bool, draft_model: bool) -> bool:
+    def keeps_grammar(self, *, samples: bool) -> bool:
         """Whether a rank needs the grammar state of the guided requests while it drafts.
 
-        ``samples``: the rank verifies and samples (the first rank of a tensor-parallel group); ``draft_model``: the
-        drafts come from a draft model (MTP, Eagle3), not from the grammar (methods ``grammar`` and ``fsm``). A rank
-        that samples always does. A rank that does not sample drafts beside it and must draft the same tokens: it
-        needs the grammar where the drafts depend on it (masked draft logits, forced drafts, drafts the grammar
-        makes), not where a draft model drafts freely (``draft_masks`` off): such a rank neither compiles nor
-        commits nor fills anything.
+        ``samples``: the rank verifies and samples (the first rank of a tensor-parallel group). A rank that samples
+        always does. A rank that does not sample drafts beside it and must draft the same tokens: it needs the
+        grammar where the drafts depend on it (masked draft logits, forced drafts, drafts the grammar makes, or
+        ``draft_model`` not known), not where a draft model drafts freely (``draft_masks`` off): such a rank neither
+        compiles nor commits nor fills anything.
         """
-        return samples or not draft_model or self.draft_masks
+        return samples or self.draft_masks or not self.draft_model
 
     def _keep(self, window: DraftGrammar, matchers: Matchers, session_ids: Sequence[int] | None) -> None:
         if session_ids is not None:

@@ -262,6 +262,8 @@ for version in "${VERSIONS[@]}"; do
             bench "batch_fill-$version" "$VENV" benchmarks/batch_fill.py
         stage "lmdeploy $version: benchmarks/window_cost.py (a window's grammar work on $(nproc) CPUs)" \
             bench "window_cost-$version" "$VENV" benchmarks/window_cost.py
+        stage "lmdeploy $version: benchmarks/commit_cost.py (a commit's grammar work on $(nproc) CPUs)" \
+            bench "commit_cost-$version" "$VENV" benchmarks/commit_cost.py
         for method in ${GPU_BENCH_LATE-deepseek_mtp}; do
             stage "lmdeploy $version: benchmarks/gpu_throughput.py --method $method" \
                 bench "gpu_throughput-$version-$method" "$VENV" benchmarks/gpu_throughput.py --method "$method" \

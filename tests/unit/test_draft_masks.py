@@ -114,12 +114,26 @@ def test_a_free_draft_the_grammar_rejects_is_rejected_at_verification():
 
 
 @pytest.mark.parametrize('draft_masks', [True, False], ids=['masked', 'free'])
-def test_which_ranks_keep_grammar_state(draft_masks):
+@pytest.mark.parametrize('draft_model', [True, False, None], ids=['draft-model', 'draft-free', 'not-known'])
+def test_free_drafts_of_a_draft_model_keep_no_grammar_bookkeeping(draft_masks, draft_model):
     """The rank that samples always keeps the grammar; a tensor-parallel rank that does not sample keeps it where
-    its drafts depend on it (masked draft logits, drafts the grammar makes), and not where a draft model drafts
-    freely."""
-    manager = _manager(draft_masks, sparse=True)
-    assert manager.keeps_grammar(samples=True, draft_model=True)
-    assert manager.keeps_grammar(samples=True, draft_model=False)
-    assert manager.keeps_grammar(samples=False, draft_model=False)
-    assert manager.keeps_grammar(samples=False, draft_model=True) is draft_masks
+    its drafts depend on it (masked draft logits, drafts the grammar makes, or the engine did not say), and not
+    where a draft model drafts freely. There the commits also keep no guess histories and no jump-forward memo
+    (nothing drafts from them), and the masks they commit under stay what they were."""
+    manager = SpecGrammarManager(testing.TOKENIZERS[NAME].model_vocab_size, worker=GrammarWorker(inline=True),
+                                 tokenizer=testing.load_tokenizer(NAME), tokenizer_info=testing.tokenizer_info(NAME),
+                                 draft_masks=draft_masks, draft_model=draft_model)
+    free = draft_model is True and not draft_masks
+    assert manager.keeps_grammar(samples=True)
+    assert manager.keeps_grammar(samples=False) is not free
+    assert (manager.guesses is None) is free and (manager.jumps is None) is free
+
+    matchers, reference = _committed(), _committed()
+    tokens = _instance_tokens()
+    for start in range(0, 12, K + 1):
+        manager.commit(matchers, [tokens[start:start + K + 1]] * 3)
+        for matcher in reference.values():
+            assert all(matcher.accept_token(t) for t in tokens[start:start + K + 1])
+        expected = SpecGrammarManager(manager.vocab_size, worker=GrammarWorker(inline=True))
+        assert torch.equal(manager.next_token_bitmask(matchers, 3), expected.next_token_bitmask(reference, 3))
+    assert (manager.guesses is None or manager.guesses.num_histories == len(matchers))
