@@ -68,7 +68,8 @@ def main(argv=None) -> int:
                                                 sparse_masks=False, tokenizer=tokenizer, **options)
                     for setting, options in SETTINGS.items()}
         for manager in managers.values():
-            manager.forced_tokenizer.prepare()
+            if manager.forced_tokenizer is not None:
+                manager.forced_tokenizer.prepare()
         for batch in [int(b) for b in args.batches.split(',')]:
             first = {s: [] for s in SETTINGS}
             later = {s: [] for s in SETTINGS}

@@ -108,9 +108,9 @@ class SpecGrammarManager:
     draft_model : bool, optional
         Whether the engine's drafts come from a draft model (MTP, Eagle3: :meth:`begin_draft`) rather than from the
         grammar (methods ``grammar`` and ``fsm``: :meth:`propose`); default: not known. Known to be a draft model with
-        ``draft_masks`` off, nothing reads what the grammar forces or what a request wrote: the commits keep no guess
-        histories and no jump-forward memo, and ranks that do not sample keep no grammar state
-        (:meth:`keeps_grammar`).
+        ``draft_masks`` off, nothing reads what the grammar forces or what a request wrote: no forced tokenizer is
+        built (``tokenizer`` goes unused), the commits keep no guess histories and no jump-forward memo, and ranks that
+        do not sample keep no grammar state (:meth:`keeps_grammar`).
     """
 
     def __init__(self, vocab_size: int, *, worker: GrammarWorker | None = None, pin_memory: bool | None = None,
@@ -135,21 +135,22 @@ class SpecGrammarManager:
         self.draft_masks = draft_masks_from_env() if draft_masks is None else draft_masks
         self.draft_model = draft_model
         # free drafts of a draft model: forced tokens, guesses and their bookkeeping would go unread
-        bookkeeping = not (draft_model and not self.draft_masks)
+        drafts_from_grammar = not (draft_model and not self.draft_masks)
+        #: Forced text as the tokenizer writes it (None without a tokenizer, or where nothing drafts from the grammar)
         self.forced_tokenizer = None
-        if tokenizer is not None:
+        if tokenizer is not None and drafts_from_grammar:
             self.forced_tokenizer = ForcedTokenizer.from_huggingface(tokenizer, tokenizer_info, vocab_size=vocab_size)
             # reading and sorting the vocabulary takes about a second for 128k tokens: do it before the first request
             self.worker.submit(self.forced_tokenizer.prepare)
         #: Histories and guessed drafts of the guided requests (None without a tokenizer or with no source on)
         self.guesses: GuessDrafts | None = None
-        if self.forced_tokenizer is not None and guess_drafts is not False and bookkeeping:
+        if self.forced_tokenizer is not None and guess_drafts is not False:
             sources = None if guess_drafts in (None, True) else tuple(guess_drafts)
             guesses = GuessDrafts(self.forced_tokenizer, sources=sources)
             self.guesses = guesses if guesses.enabled else None
         self.window_guesses = True if window_guesses is None else window_guesses
         #: Long jump-forward texts of committed matchers and their forks (:class:`JumpForwardMemo`)
-        self.jumps = JumpForwardMemo() if self.forced_tokenizer is not None and bookkeeping else None
+        self.jumps = JumpForwardMemo() if self.forced_tokenizer is not None else None
         # session id -> (window, batch row): the masks a later verification step reuses
         self._windows: dict[int, tuple[DraftGrammar, int]] = {}
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)

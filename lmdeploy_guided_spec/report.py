@@ -44,12 +44,16 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     else:
         # forced drafts wait for the position's mask: off where the draft logits are not masked
         forced = 'on' if masked else f'off (with {DRAFT_MASKS_ENV}=0)'
+    guessed += ' (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)'
+    if forced != 'on' and not guessed.startswith(('off', 'invalid')):
+        # a window's guesses take the place of its draft model's choice where forced drafts do
+        guessed += '; none in draft-model windows, as forced drafts'
     return {
         'compile service': compile_service,
         'whitespace': "'any' unless a response_format says 'single' or 'compact'",
         'draft-model logits masked': 'on' if masked else f'off ({DRAFT_MASKS_ENV}=0; verification only)',
         'forced drafts in draft-model windows': forced,
-        'guessed drafts': f'{guessed} (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)',
+        'guessed drafts': guessed,
     }
 
 

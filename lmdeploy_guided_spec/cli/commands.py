@@ -1,12 +1,13 @@
 """The ``lmdeploy-guided-spec`` command: patch an installed lmdeploy, undo it, inspect it, maintain the series.
 
 Exit codes: 0 ok, 1 check failed or series stale, 2 usage, 3 version mismatch, 4 files not pristine or modified,
-5 patch does not apply, 6 git missing.
+5 patch does not apply, 6 git missing, 141 the reader of the output went away (``status | head -1``).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import shlex
 import sys
@@ -331,9 +332,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = _Report()
     try:
         code = args.handler(args, report)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is caught below
     except PatchError as err:
         report.error(with_site(str(err), getattr(args, 'site', None)))
         code = err.exit_code
+    except BrokenPipeError:
+        # the reader of the output went away (`status | head -1`): write nothing more, exit as SIGPIPE would have
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     if report.errors or report.warnings:
         report.summary()
     return code

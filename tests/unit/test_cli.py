@@ -73,3 +73,19 @@ def test_with_site_adds_the_site_to_every_command_that_takes_one():
         "to fix: lmdeploy-guided-spec revert --force --site '/opt/my site' && lmdeploy-guided-spec apply --site "
         "'/opt/my site'; or: lmdeploy-guided-spec dev-export DIR; pip install --force-reinstall --no-deps "
         'lmdeploy==0.14.0')
+
+
+@pytest.mark.parametrize('command', [['status'], ['verify-series']])
+def test_a_reader_that_goes_away_gets_no_traceback(command):
+    """``lmdeploy-guided-spec status | head -1``: the reader closes the pipe before the command has written its
+    output. The command stops writing and exits with 141 (as a process killed by SIGPIPE), with no traceback."""
+    import os
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run([sys.executable, '-m', 'lmdeploy_guided_spec.cli', *command], stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert 'Traceback' not in result.stderr and 'BrokenPipeError' not in result.stderr, result.stderr
+    assert result.returncode == 141, result.stderr

@@ -127,6 +127,7 @@ def test_free_drafts_of_a_draft_model_keep_no_grammar_bookkeeping(draft_masks, d
     assert manager.keeps_grammar(samples=True)
     assert manager.keeps_grammar(samples=False) is not free
     assert (manager.guesses is None) is free and (manager.jumps is None) is free
+    assert (manager.forced_tokenizer is None) is free
 
     matchers, reference = _committed(), _committed()
     tokens = _instance_tokens()

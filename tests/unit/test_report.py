@@ -26,11 +26,14 @@ def test_the_startup_line_follows_the_environment(monkeypatch):
     assert 'no speculative decoding' in line
     assert 'compile service: off' in line
     assert 'forced drafts in draft-model windows: off' in line and 'guessed drafts: lookup' in line
+    assert line.endswith('guessed drafts: lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, '
+                         'as forced drafts')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', '0')
     line = startup_message('0.18.0', 'eagle3', 3)
     assert ('draft-model logits masked: off (LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0; verification only); '
-            'forced drafts in draft-model windows: off (with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0)') in line
+            'forced drafts in draft-model windows: off (with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0); guessed drafts: '
+            'lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, as forced drafts') in line
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', 'nonsense')
     assert 'guessed drafts: invalid' in startup_message('0.14.0', 'grammar', 2)
 
