@@ -161,8 +161,11 @@ class DraftGrammar:
         self._window_guesses: GuessWindow | None = None
         self._guessed: list[dict[int, int]] = []
         self._model_rows: list[set[int]] = []
-        self.masks = allocate_bitmask(batch_size * (num_spec_tokens + 1), vocab_size,
-                                      pin_memory=pin_memory).view(batch_size, num_spec_tokens + 1, -1)
+        self._pin_memory = pin_memory
+        #: The window's masks ``(batch, k + 1, words)``. Free drafts (``mask_drafts=False``) leave the engine thread at
+        #: once: their buffer (megabytes at batch 128 of a 128k vocabulary, every word written) is allocated on the
+        #: worker, None until the window's first job there has run.
+        self.masks: torch.Tensor | None = self._allocate() if mask_drafts else None
         self.forks: dict[int, xgr.GrammarMatcher] = {}
         # Rows whose fork rejected a draft token, drafted a stop token or has ended: later positions are never
         # accepted, so they stay all-allowed.
@@ -177,8 +180,14 @@ class DraftGrammar:
         self._verify_sparse: list[SparseRows] = []
         self._pending = self.worker.submit(self._start, dict(matchers))
 
+    def _allocate(self) -> torch.Tensor:
+        return allocate_bitmask(self.batch_size * (self.num_spec_tokens + 1), self.vocab_size,
+                                pin_memory=self._pin_memory).view(self.batch_size, self.num_spec_tokens + 1, -1)
+
     # -- worker side ----------------------------------------------------------------------------------------
     def _start(self, matchers: dict) -> None:
+        if self.masks is None:
+            self.masks = self._allocate()
         self.forks = {row: matchers[row].fork() for row in self.rows}
         self._committed = matchers
         if self.jumps is not None and len(self.jumps):

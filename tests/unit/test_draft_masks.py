@@ -45,8 +45,9 @@ def _dense(manager, bitmask, matchers, rows: int):
 @pytest.mark.parametrize('sparse', [True, False], ids=['sparse', 'dense'])
 def test_free_drafting_never_waits_and_verification_is_masked_alike(sparse, draft_vocab):
     """The worker is held busy while the draft model drafts a whole window: every ``mask_logits_`` and ``advance``
-    returns at once and leaves the draft logits as they were. Once the worker is free, the verification masks are
-    those of a window whose drafts were masked, bit for bit."""
+    returns at once and leaves the draft logits as they were, and the window's mask buffer is not allocated on the
+    engine thread. Once the worker is free, the verification masks are those of a window whose drafts were masked,
+    bit for bit."""
     vocab = testing.TOKENIZERS[NAME].model_vocab_size
     tokens = _instance_tokens()
     drafts = torch.tensor([tokens[:K], [7] * K, tokens[:K]])
@@ -62,6 +63,7 @@ def test_free_drafting_never_waits_and_verification_is_masked_alike(sparse, draf
         began = time.perf_counter()
         window = free.begin_draft(committed, 3, K, session_ids=[10, 11, 12], draft_id_to_target_id=draft_map)
         assert not window.forced, 'forced drafts wait for the position\'s mask: off with free drafts'
+        assert window.masks is None, 'the mask buffer is allocated (and written) on the worker, not here'
         for position in range(K):
             logits = torch.randn(3, width)
             before = logits.clone()
@@ -73,6 +75,7 @@ def test_free_drafting_never_waits_and_verification_is_masked_alike(sparse, draf
     finally:
         hold.set()
     free_masks = _dense(free, free.verification_bitmask(committed, drafts, [10, 11, 12]), committed, 3)
+    assert window.masks.shape[:2] == (3, K + 1)
 
     masked = _manager(True, sparse)
     committed = _committed()
