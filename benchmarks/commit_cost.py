@@ -24,11 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mask_overhead import Workload, load_grammars  # noqa: E402
+from mask_overhead import Workload, inline_managers, load_grammars  # noqa: E402
 
-from lmdeploy_guided_spec import testing  # noqa: E402
 from lmdeploy_guided_spec.manager import SpecGrammarManager  # noqa: E402
-from lmdeploy_guided_spec.worker import GrammarWorker  # noqa: E402
 
 SETTINGS = {'default': dict(draft_masks=True, draft_model=True),
             'free drafts': dict(draft_masks=False, draft_model=True)}
@@ -62,14 +60,7 @@ def main(argv=None) -> int:
           + ' | free / default')
     for name in args.tokenizers.split(','):
         grammars = load_grammars(name)
-        tokenizer = testing.load_tokenizer(name)
-        vocab = testing.TOKENIZERS[name].model_vocab_size
-        managers = {setting: SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
-                                                sparse_masks=False, tokenizer=tokenizer, **options)
-                    for setting, options in SETTINGS.items()}
-        for manager in managers.values():
-            if manager.forced_tokenizer is not None:
-                manager.forced_tokenizer.prepare()
+        managers = inline_managers(name, SETTINGS)
         for batch in [int(b) for b in args.batches.split(',')]:
             first = {s: [] for s in SETTINGS}
             later = {s: [] for s in SETTINGS}

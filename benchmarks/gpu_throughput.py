@@ -26,6 +26,13 @@ the draft model drafts without the grammar's masks and only verification is mask
 wait for the grammar worker while drafting. Its guided rows print as ``guided spec, free drafts``, with
 ``guided_free_vs_guided_spec`` per batch size (free against masked drafts, both guided speculative).
 
+``--switch-interval-ms MS`` adds, for each guided speculative engine (masked drafts, and free drafts with
+``--free-drafts``), a twin measured with the interpreter's switch interval at ``MS`` milliseconds
+(``sys.setswitchinterval`` while it is built and measured; Python's 5 ms before and after): the grammar worker shares
+the GIL with the engine's threads, and each of its calls into xgrammar waits up to the interval for the GIL while
+another thread runs Python (``benchmarks/gil_share.py``). Its rows print with ``switch MS ms``, with
+``switch_vs_python <mode> batch B`` per batch size. Leave ``LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS`` unset for it.
+
 ``--force-triton`` sets ``LMDEPLOY_GUIDED_SPEC_FORCE_TRITON_SPEC=1`` (verify with the Triton kernel even where
 FlashAttention-3 is installed). Without CUDA the script exits with status 2.
 
@@ -112,8 +119,10 @@ def _measure(pipe, batch: int, guided: bool, max_new_tokens: int, counter: _Acce
 
 def _mode(row: dict) -> str:
     if row['free']:
-        return 'guided spec, free drafts'
-    return f'{"guided" if row["guided"] else "unguided"} {"speculative" if row["spec"] else "non-speculative"}'
+        mode = 'guided spec, free drafts'
+    else:
+        mode = f'{"guided" if row["guided"] else "unguided"} {"speculative" if row["spec"] else "non-speculative"}'
+    return mode if row['switch'] is None else f'{mode}, switch {row["switch"]:g} ms'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--free-drafts', action='store_true',
                         help='also run guided speculative decoding with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0 (draft '
                              'models draft freely, verification alone is masked)')
+    parser.add_argument('--switch-interval-ms', type=float, default=None, metavar='MS',
+                        help='also run each guided speculative engine with the interpreter\'s switch interval at MS '
+                             'milliseconds (Python\'s: 5)')
     parser.add_argument('--force-triton', action='store_true',
                         help='verify with the Triton paged kernel even where FlashAttention-3 is installed')
     args = parser.parse_args(argv)
@@ -167,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     path = None
-    engines = [(False, False), (True, False)] + ([(True, True)] if args.free_drafts else [])
-    for spec, free in engines:
+    engines = [(False, False, None), (True, False, None)] + ([(True, True, None)] if args.free_drafts else [])
+    if args.switch_interval_ms is not None:
+        engines += [(True, free, args.switch_interval_ms) for spec, free, _ in engines if spec]
+    python_interval = sys.getswitchinterval()
+    for spec, free, switch in engines:
+        sys.setswitchinterval(python_interval if switch is None else switch / 1000.0)
         backend = PytorchEngineConfig(eager_mode=args.eager, max_batch_size=max(batch_sizes),
                                       cache_max_entry_count=0.3, session_len=4096)
         spec_config = SpeculativeConfig(method=args.method, model=str(draft),
@@ -188,25 +204,33 @@ def main(argv: list[str] | None = None) -> int:
             path = 'FA3' if attention.use_fa3_spec_decoding() else 'Triton paged kernel'
         try:
             for batch in batch_sizes:
-                # free drafts change nothing for unguided rows
-                for guided in ((True, ) if free else (False, True)):
+                # free drafts and the switch interval change nothing for unguided rows
+                for guided in ((True, ) if free or switch is not None else (False, True)):
                     result = _measure(pipe, batch, guided, args.max_new_tokens, counter, spec)
-                    rows.append(dict(spec=spec, guided=guided, free=free, batch=batch, **result))
+                    rows.append(dict(spec=spec, guided=guided, free=free, switch=switch, batch=batch, **result))
                     # as it is measured: a run stopped at a deadline keeps what it had
                     print(f'measured: {_mode(rows[-1])}, batch {batch}: {result["tps"]:.1f} tokens/s', flush=True)
         finally:
             pipe.close()
+            sys.setswitchinterval(python_interval)
         torch.cuda.empty_cache()
 
     print(f'device: {torch.cuda.get_device_name()}; {args.shape} model; method {args.method}, '
           f'{args.num_spec_tokens} draft tokens, '
           f'{"eager" if args.eager else "CUDA graphs"}, speculative windows verified by {path}; '
           f'max {args.max_new_tokens} new tokens, greedy; random weights')
-    print(f'{"mode":<26} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')
+    print(f'{"mode":<40} {"batch":>5} {"tokens":>7} {"seconds":>8} {"tokens/s":>9} {"tokens/step":>11}')
     for r in rows:
         mode = _mode(r)
         per_step = 'n/a' if r['per_step'] is None else f'{r["per_step"]:.2f}'
-        print(f'{mode:<26} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
+        print(f'{mode:<40} {r["batch"]:>5} {r["tokens"]:>7} {r["seconds"]:>8.2f} {r["tps"]:>9.1f} {per_step:>11}')
+    rows, twins = [r for r in rows if r['switch'] is None], [r for r in rows if r['switch'] is not None]
+    for twin in twins:
+        base = [r['tps'] for r in rows if r['spec'] and r['guided'] and r['free'] == twin['free']
+                and r['batch'] == twin['batch']]
+        if base and base[0] > 0:
+            mode = 'guided_free' if twin['free'] else 'guided_spec'
+            print(f'switch_vs_python {mode} batch {twin["batch"]}: {twin["tps"] / base[0]:.3f}')
     for batch in batch_sizes:
         guided = {r['spec']: r['tps'] for r in rows if r['guided'] and not r['free'] and r['batch'] == batch}
         if len(guided) == 2 and guided[False] > 0:

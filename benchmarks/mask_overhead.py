@@ -215,6 +215,20 @@ class Runner:
         return wall / steps, timer.total / steps, exposed.total / steps
 
 
+def inline_managers(name: str, settings: dict[str, dict], **options) -> dict[str, SpecGrammarManager]:
+    """One ``SpecGrammarManager`` per setting for tokenizer ``name``, its worker inline (the caller's thread does the
+    grammar work), host masks unpinned and dense, the forced tokenizer prepared; ``options`` for all of them."""
+    tokenizer = testing.load_tokenizer(name)
+    vocab = testing.TOKENIZERS[name].model_vocab_size
+    managers = {setting: SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
+                                            sparse_masks=False, tokenizer=tokenizer, **options, **values)
+                for setting, values in settings.items()}
+    for manager in managers.values():
+        if manager.forced_tokenizer is not None:
+            manager.forced_tokenizer.prepare()
+    return managers
+
+
 def load_grammars(name: str) -> list[tuple[xgr.CompiledGrammar, list[int]]]:
     data = json.loads(DATA.read_text())
     compiler = testing.grammar_compiler(name)

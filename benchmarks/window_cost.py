@@ -29,11 +29,9 @@ import torch
 import xgrammar as xgr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mask_overhead import Workload, load_grammars  # noqa: E402
+from mask_overhead import Workload, inline_managers, load_grammars  # noqa: E402
 
-from lmdeploy_guided_spec import testing  # noqa: E402
 from lmdeploy_guided_spec.manager import SpecGrammarManager  # noqa: E402
-from lmdeploy_guided_spec.worker import GrammarWorker  # noqa: E402
 
 SETTINGS = {'masks': dict(forced_drafts=False), 'forced': dict(forced_drafts=True, guess_drafts=False),
             'default': dict(forced_drafts=True, guess_drafts=True)}
@@ -98,15 +96,7 @@ def main(argv=None) -> int:
     print(f'{"tokenizer":<9} {"B":>4} | ' + ' | '.join(f'{s + " ms":>11} {"fills":>6}' for s in SETTINGS))
     for name in args.tokenizers.split(','):
         grammars = load_grammars(name)
-        tokenizer = testing.load_tokenizer(name)
-        vocab = testing.TOKENIZERS[name].model_vocab_size
-        managers = {setting: SpecGrammarManager(vocab, worker=GrammarWorker(inline=True), pin_memory=False,
-                                                sparse_masks=False, batch_fill=batch_fill, tokenizer=tokenizer,
-                                                **options)
-                    for setting, options in SETTINGS.items()}
-        for manager in managers.values():
-            if manager.forced_tokenizer is not None:
-                manager.forced_tokenizer.prepare()
+        managers = inline_managers(name, SETTINGS, batch_fill=batch_fill)
         for batch in [int(b) for b in args.batches.split(',')]:
             times = {s: [] for s in SETTINGS}
             fills = {s: [] for s in SETTINGS}

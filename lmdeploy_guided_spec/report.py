@@ -30,6 +30,7 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     from .compile import COMPILE_TIMEOUT_ENV
     from .forced import DRAFT_MASKS_ENV, FORCED_DRAFTS_ENV, draft_masks_from_env, forced_drafts_from_env
     from .guess import guess_sources_from_env
+    from .worker import SWITCH_INTERVAL_ENV, switch_interval_from_env
     if compile_timeout_s is None:
         compile_service = 'off (grammars compile in the model agent)'
     else:
@@ -38,6 +39,11 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         guessed = ','.join(guess_sources_from_env()) or 'off'
     except ValueError as err:
         guessed = f'invalid ({err})'
+    try:
+        seconds = switch_interval_from_env()
+        switch = ("Python's" if seconds is None else f'{seconds * 1e3:g} ms') + f' ({SWITCH_INTERVAL_ENV})'
+    except ValueError as err:
+        switch = f'invalid ({err})'
     masked = draft_masks_from_env()
     if not forced_drafts_from_env():
         forced = f'off ({FORCED_DRAFTS_ENV}=0)'
@@ -54,6 +60,7 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         'draft-model logits masked': 'on' if masked else f'off ({DRAFT_MASKS_ENV}=0; verification only)',
         'forced drafts in draft-model windows': forced,
         'guessed drafts': guessed,
+        'switch interval': switch,
     }
 
 

@@ -3,15 +3,63 @@
 Order is the invariant: a commit submitted before a fork is applied before the fork is taken, and the fills of
 a drafting window finish before its verification masks are read. Work that is submitted while the device runs
 a forward pass is hidden behind it.
+
+The worker shares the process's GIL with the engine's threads. Its work is thousands of short calls into xgrammar
+per step, each of which releases the GIL and takes it back; while another thread runs pure Python, each taking back
+waits for the interpreter's switch interval (5 ms by default), and a step of grammar work takes a hundred times
+longer (``benchmarks/gil_share.py``). ``LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS`` sets a shorter interval for the
+process when the worker thread starts (:func:`switch_interval_from_env`); unset, Python's stays.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ['GrammarWorker']
+__all__ = ['GrammarWorker', 'SWITCH_INTERVAL_ENV', 'switch_interval_from_env']
+
+logger = logging.getLogger('lmdeploy_guided_spec')
+
+#: Milliseconds: the interpreter's switch interval (``sys.setswitchinterval``) for the engine's process, set when a
+#: grammar worker thread starts; unset: Python's own (5 ms).
+SWITCH_INTERVAL_ENV = 'LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS'
+
+
+def switch_interval_from_env() -> float | None:
+    """Seconds of ``LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS``, or None where it is unset.
+
+    Raises
+    ------
+    ValueError
+        A value that is not a positive number of milliseconds, naming the variable.
+    """
+    value = os.environ.get(SWITCH_INTERVAL_ENV, '').strip()
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float('nan')
+    if not 0 < ms < float('inf'):
+        raise ValueError(f'{SWITCH_INTERVAL_ENV}={value!r} is not a positive number of milliseconds')
+    return ms / 1000.0
+
+
+def _apply_switch_interval() -> None:
+    """Set the process's switch interval from the environment (once a worker thread starts); a bad value is logged
+    and Python's interval stays."""
+    try:
+        seconds = switch_interval_from_env()
+    except ValueError as err:
+        logger.warning(f'{err}; the switch interval stays {sys.getswitchinterval() * 1e3:g} ms')
+        return
+    if seconds is not None and seconds != sys.getswitchinterval():
+        sys.setswitchinterval(seconds)
+        logger.info(f'switch interval of this process set to {seconds * 1e3:g} ms ({SWITCH_INTERVAL_ENV})')
 
 
 class GrammarWorker:
@@ -39,6 +87,7 @@ class GrammarWorker:
             return future
         with self._lock:
             if self._pool is None:
+                _apply_switch_interval()
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix='guided-spec-grammar')
             return self._pool.submit(fn, *args, **kwargs)

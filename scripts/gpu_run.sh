@@ -16,7 +16,8 @@
 #                                              # from counts as passed)
 #   GPU_BENCH_8B='eagle3 grammar'              # gpu_throughput.py --shape llama-3.1-8b methods, right after the tests
 #                                              # (empty: none; eagle3 adds --free-drafts); GPU_BENCH_8B_BATCHES
-#                                              # (default 1,8,32,128)
+#                                              # (default 1,8,32,128); GPU_BENCH_8B_ARGS: extra arguments for them,
+#                                              # e.g. '--switch-interval-ms 0.2'
 #   GPU_BENCH_METHODS / GPU_BENCH_LATE         # gpu_throughput.py methods before vs_upstream (default: eagle3
 #                                              # grammar) and after it (default: deepseek_mtp); empty: none
 #   GPU_BENCH_ARGS / GPU_VS_UPSTREAM_ARGS      # extra arguments, e.g. '--batch-sizes 1,8,32,128', '--methods eagle3'
@@ -230,7 +231,8 @@ for version in "${VERSIONS[@]}"; do
             if [ "$method" != grammar ]; then free=(--free-drafts); fi
             stage "lmdeploy $version: benchmarks/gpu_throughput.py --shape llama-3.1-8b --method $method ${free[*]}" \
                 bench "gpu_throughput-$version-8b-$method" "$VENV" benchmarks/gpu_throughput.py --shape llama-3.1-8b \
-                --method "$method" --batch-sizes "${GPU_BENCH_8B_BATCHES:-1,8,32,128}" "${free[@]}"
+                --method "$method" --batch-sizes "${GPU_BENCH_8B_BATCHES:-1,8,32,128}" "${free[@]}" \
+                ${GPU_BENCH_8B_ARGS:-}
         done
     fi
 

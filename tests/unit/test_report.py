@@ -10,6 +10,7 @@ def test_the_startup_line_names_the_series_method_and_settings(monkeypatch):
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', raising=False)
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', raising=False)
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', raising=False)
+    monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', raising=False)
     line = startup_message('0.14.0', 'eagle3', 3, compile_timeout_s=30.0)
     assert line.startswith(f'lmdeploy-guided-spec {__version__} active on lmdeploy 0.14.0: '
                            "speculative method 'eagle3', k=3; grammar: ")
@@ -17,6 +18,7 @@ def test_the_startup_line_names_the_series_method_and_settings(monkeypatch):
     assert "whitespace: 'any'" in line
     assert 'draft-model logits masked: on; forced drafts in draft-model windows: on' in line
     assert 'guessed drafts: format,lookup' in line
+    assert line.endswith("switch interval: Python's (LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS)")
 
 
 def test_the_startup_line_follows_the_environment(monkeypatch):
@@ -26,14 +28,18 @@ def test_the_startup_line_follows_the_environment(monkeypatch):
     assert 'no speculative decoding' in line
     assert 'compile service: off' in line
     assert 'forced drafts in draft-model windows: off' in line and 'guessed drafts: lookup' in line
-    assert line.endswith('guessed drafts: lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, '
-                         'as forced drafts')
+    assert ('guessed drafts: lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, '
+            'as forced drafts') in line
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', '1')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', '0')
     line = startup_message('0.18.0', 'eagle3', 3)
     assert ('draft-model logits masked: off (LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0; verification only); '
             'forced drafts in draft-model windows: off (with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0); guessed drafts: '
             'lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, as forced drafts') in line
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', '0.2')
+    assert startup_message('0.18.0').endswith('switch interval: 0.2 ms (LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS)')
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', 'fast')
+    assert 'switch interval: invalid (LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS=' in startup_message('0.18.0')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', 'nonsense')
     assert 'guessed drafts: invalid' in startup_message('0.14.0', 'grammar', 2)
 

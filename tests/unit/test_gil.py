@@ -1,0 +1,75 @@
+"""The grammar worker and the engine's GIL: the switch interval option, and benchmarks/gil_share.py runs."""
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmdeploy_guided_spec import GrammarWorker
+from lmdeploy_guided_spec.worker import SWITCH_INTERVAL_ENV, switch_interval_from_env
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def interval():
+    """The process's switch interval, restored after the test."""
+    saved = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(saved)
+
+
+@pytest.mark.parametrize('value, seconds', [(None, None), ('', None), ('0.2', 0.0002), (' 1 ', 0.001)])
+def test_the_variable_reads_as_milliseconds(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv(SWITCH_INTERVAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH_INTERVAL_ENV, value)
+    assert switch_interval_from_env() == seconds
+
+
+@pytest.mark.parametrize('value', ['0', '-1', 'fast', 'inf', 'nan'])
+def test_a_bad_value_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(SWITCH_INTERVAL_ENV, value)
+    with pytest.raises(ValueError, match=SWITCH_INTERVAL_ENV):
+        switch_interval_from_env()
+
+
+def test_the_worker_thread_sets_the_interval_when_it_starts(monkeypatch, interval, caplog):
+    sys.setswitchinterval(0.005)
+    monkeypatch.setenv(SWITCH_INTERVAL_ENV, '0.25')
+    worker = GrammarWorker(inline=True)
+    worker.run(lambda: None)
+    assert sys.getswitchinterval() == 0.005, 'an inline worker starts no thread and leaves the interpreter alone'
+    worker = GrammarWorker()
+    with caplog.at_level(logging.INFO, logger='lmdeploy_guided_spec'):
+        worker.run(lambda: None)
+    worker.shutdown()
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
+    assert SWITCH_INTERVAL_ENV in caplog.text
+    # a bad value: logged, and the interval stays
+    monkeypatch.setenv(SWITCH_INTERVAL_ENV, 'fast')
+    worker = GrammarWorker()
+    with caplog.at_level(logging.WARNING, logger='lmdeploy_guided_spec'):
+        worker.run(lambda: None)
+    worker.shutdown()
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
+    assert 'is not a positive number of milliseconds' in caplog.text
+    # unset: Python's interval is left as it is
+    monkeypatch.delenv(SWITCH_INTERVAL_ENV)
+    sys.setswitchinterval(0.005)
+    worker = GrammarWorker()
+    worker.run(lambda: None)
+    worker.shutdown()
+    assert sys.getswitchinterval() == 0.005
+
+
+def test_gil_share_prints_a_table_and_its_last_line():
+    out = subprocess.run([sys.executable, str(ROOT / 'benchmarks' / 'gil_share.py'), '--batches', '2',
+                          '--reps', '1'], capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()
+    rows = [line.split() for line in out if line.startswith(('default', 'free'))]
+    assert [row[:2] for row in rows] == [['default', '2'], ['free', '2']], out
+    assert out[-1] == 'worker_slowdown_beside_python_b128 n/a (batch 128 not run)', out
