@@ -35,7 +35,7 @@ SETTINGS = {'default': dict(draft_masks=True, draft_model=True),
 def run(manager: SpecGrammarManager, workload: Workload, k: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` commits of ``k + 1`` tokens per row, along the rows' instances."""
     matchers = workload.matchers()
-    paths = [path[start:] + [-1] * ((k + 1) * steps) for (_, path), start in zip(workload.items, workload.starts)]
+    paths = workload.rest((k + 1) * steps, -1)
     seconds = []
     for step in range(steps):
         rows = [path[step * (k + 1):(step + 1) * (k + 1)] for path in paths]

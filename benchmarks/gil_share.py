@@ -41,7 +41,7 @@ SHORT_INTERVAL_S = 0.0002
 def step(manager: SpecGrammarManager, workload: Workload, batch: int, k: int, session: int) -> None:
     """One speculative step's grammar work: a window drafting the rows' instance tokens, then their commit."""
     matchers = workload.matchers()
-    paths = [path[start:] + [-1] * (k + 1) for (_, path), start in zip(workload.items, workload.starts)]
+    paths = workload.rest(k + 1, -1)
     sessions = list(range(session, session + batch))
     window = manager.begin_draft(matchers, batch, k, session_ids=sessions)
     for position in range(k):

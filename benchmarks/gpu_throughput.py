@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from lmdeploy.messages import SpeculativeConfig
 
     from lmdeploy_guided_spec.support import tiny_models
+    from lmdeploy_guided_spec.testing import environ
 
     if args.shape == 'llama-3.1-8b':
         if args.method == 'deepseek_mtp':
@@ -190,15 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_config = SpeculativeConfig(method=args.method, model=str(draft),
                                         num_speculative_tokens=args.num_spec_tokens) if spec else None
         # the engine reads it once, when it builds its grammar manager; the caller's value comes back after
-        exported = os.environ.get('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
-        os.environ['LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'] = '0' if free else '1'
-        try:
+        with environ({'LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS': '0' if free else '1'}):
             pipe = pipeline(str(target), backend_config=backend, speculative_config=spec_config, log_level='ERROR')
-        finally:
-            if exported is None:
-                os.environ.pop('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS')
-            else:
-                os.environ['LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS'] = exported
         if spec:
             from lmdeploy.pytorch.backends.cuda import attention
             path = 'FA3' if attention.use_fa3_spec_decoding() else 'Triton paged kernel'

@@ -109,6 +109,11 @@ class Workload:
             out[b] = m
         return out
 
+    def rest(self, pad: int, filler: int) -> list[list[int]]:
+        """Each row's instance tokens from its start state on (what :meth:`matchers` has not taken), then ``pad``
+        times ``filler``."""
+        return [path[start:] + [filler] * pad for (_, path), start in zip(self.items, self.starts)]
+
     def prefixes(self) -> torch.Tensor:
         width = 8
         rows = [(path[max(0, s - width):s] + [0] * width)[:width] for (_, path), s in zip(self.items, self.starts)]

@@ -65,7 +65,7 @@ def window(manager: SpecGrammarManager, workload: Workload, batch: int, k: int, 
            clock=time.perf_counter) -> tuple[float, int]:
     """Worker seconds and one-by-one fills of one window whose drafts are the rows' instance tokens."""
     matchers = workload.matchers()
-    paths = [path[start:] + [0] * (k + 1) for (_, path), start in zip(workload.items, workload.starts)]
+    paths = workload.rest(k + 1, 0)
     with FillCounter() as fills:
         began = clock()
         w = manager.begin_draft(matchers, batch, k, session_ids=list(range(session, session + batch)))

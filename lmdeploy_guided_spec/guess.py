@@ -38,7 +38,7 @@ from .bitmask import uint32_words
 from .forced import ForcedTokenizer, jump_forward_text, token_allowed
 from .layout import WHITESPACE, JsonLayout, WhitespaceMemory
 
-__all__ = ['SOURCES', 'GuessDrafts', 'GuessWindow', 'RequestHistory', 'guess_sources_from_env']
+__all__ = ['SOURCES', 'GUESS_DRAFTS_ENV', 'GuessDrafts', 'GuessWindow', 'RequestHistory', 'guess_sources_from_env']
 
 #: The guessed draft sources, in the order a position tries them.
 SOURCES = ('format', 'lookup')
@@ -54,15 +54,19 @@ RATE_WEIGHT = 0.3
 INITIAL_RATE = 0.75
 
 
+#: The guess sources on: ``1`` both, ``0`` none, or a comma list (:func:`guess_sources_from_env`).
+GUESS_DRAFTS_ENV = 'LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS'
+
+
 def guess_sources_from_env(default: str = 'format,lookup') -> tuple[str, ...]:
     """Sources named by ``LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS``: ``1`` both, ``0`` none, or a comma list."""
-    value = os.environ.get('LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS', default).strip()
+    value = os.environ.get(GUESS_DRAFTS_ENV, default).strip()
     if value == '1':
         value = default
     names = tuple(name.strip() for name in value.split(',') if name.strip() and name.strip() != '0')
     unknown = [name for name in names if name not in SOURCES]
     if unknown:
-        raise ValueError(f'LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS: unknown sources {unknown}; known: {", ".join(SOURCES)}')
+        raise ValueError(f'{GUESS_DRAFTS_ENV}: unknown sources {unknown}; known: {", ".join(SOURCES)}')
     return names
 
 

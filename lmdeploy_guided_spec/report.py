@@ -29,16 +29,17 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     """
     from .compile import COMPILE_TIMEOUT_ENV
     from .forced import DRAFT_MASKS_ENV, FORCED_DRAFTS_ENV, draft_masks_from_env, forced_drafts_from_env
-    from .guess import guess_sources_from_env
+    from .guess import GUESS_DRAFTS_ENV, guess_sources_from_env
     from .worker import SWITCH_INTERVAL_ENV, switch_interval_from_env
     if compile_timeout_s is None:
         compile_service = 'off (grammars compile in the model agent)'
     else:
         compile_service = f'a child process, limit {compile_timeout_s:g} s ({COMPILE_TIMEOUT_ENV})'
     try:
-        guessed = ','.join(guess_sources_from_env()) or 'off'
+        sources = guess_sources_from_env()
+        guessed = ','.join(sources) or 'off'
     except ValueError as err:
-        guessed = f'invalid ({err})'
+        sources, guessed = (), f'invalid ({err})'
     try:
         seconds = switch_interval_from_env()
         switch = ("Python's" if seconds is None else f'{seconds * 1e3:g} ms') + f' ({SWITCH_INTERVAL_ENV})'
@@ -50,8 +51,8 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     else:
         # forced drafts wait for the position's mask: off where the draft logits are not masked
         forced = 'on' if masked else f'off (with {DRAFT_MASKS_ENV}=0)'
-    guessed += ' (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS)'
-    if forced != 'on' and not guessed.startswith(('off', 'invalid')):
+    guessed += f' ({GUESS_DRAFTS_ENV})'
+    if sources and forced != 'on':
         # a window's guesses take the place of its draft model's choice where forced drafts do
         guessed += '; none in draft-model windows, as forced drafts'
     return {

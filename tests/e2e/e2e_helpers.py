@@ -1,7 +1,6 @@
 """Pipelines, requests, grammars and checks shared by the end-to-end tests."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 
 import jsonschema
 import pytest
+
+from lmdeploy_guided_spec.testing import environ
 
 NUM_SPEC_TOKENS = 3
 STARTUP_S = 300
@@ -114,21 +115,6 @@ def serialize_forwards() -> None:
 
         serialized.serialized = True
         setattr(module, name, serialized)
-
-
-@contextlib.contextmanager
-def environ(env: dict | None):
-    """``env`` set in this process's environment while the block runs, the previous values restored after."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class Engines:
