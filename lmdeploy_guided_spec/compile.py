@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import multiprocessing.connection
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import xgrammar as xgr
 
@@ -41,7 +42,8 @@ from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarComp
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
-    'DEFAULT_MASK_LIMIT_MS', 'KINDS', 'grammar_stop_token_ids', 'mask_cost'
+    'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
+    'grammar_stop_token_ids', 'grammar_cost'
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,21 @@ MASK_LIMIT_ENV = 'LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS'
 #: thread: an ordinary schema costs up to about 12 ms per mask (inside a string with maxLength, on two cores); the
 #: regexes this guards against cost 0.5 to 3.5 s per mask, and hold up every request at every step.
 DEFAULT_MASK_LIMIT_MS = 250.0
+#: Environment variable with the most megabytes a matcher of a grammar may hold where a probe walks it.
+MATCHER_LIMIT_ENV = 'LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB'
+#: Matcher memory limit when neither the argument nor the environment variable gives one. xgrammar's matcher of an
+#: object with thousands of optional properties holds gigabytes once it has read one key (8,000 properties: 1.9 GB,
+#: and as much again for each fork; 4,000: 0.24 GB), while the schemas of JSONSchemaBench stay under a few MB. The
+#: engine keeps one matcher per guided row and forks it for every draft window, so one such request took the
+#: engine's process past 8 GB.
+DEFAULT_MATCHER_LIMIT_MB = 64.0
 #: Token positions a probe walks through a compiled grammar.
 PROBE_TOKENS = 16
+#: Walks of a probe (each from the grammar's start, with its own random choices).
+PROBE_WALKS = 3
+#: CPU seconds after which a probe stops walking (the schemas of JSONSchemaBench take up to 0.06 s): a grammar
+#: whose masks cost just under the limit would otherwise spend the compile's time limit in its probe.
+PROBE_BUDGET_S = 2.0
 
 #: Grammar kinds and the keyword options each accepts (those of the matching ``GrammarCompiler`` method).
 KINDS = {
@@ -97,41 +112,172 @@ def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) ->
     return sorted(t for t in ids if 0 <= t < vocab_size)
 
 
-def mask_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, limit_s: float | None = None,
-              seed: int = 0) -> tuple[float, int]:
-    """``(seconds, position)`` of the slowest token mask (CPU time of the calling thread) along a walk through
-    ``grammar``: at each of ``tokens`` positions the mask is filled, again up to twice where it took more than
-    ``limit_s`` but less than ten times that (the fastest fill counts), then a token the mask allows, other than a
-    stop token, is taken at random (``seed``). Stops at the first mask over ``limit_s`` and where only stop tokens
-    are allowed."""
+class GrammarCost(NamedTuple):
+    """What a probe of a compiled grammar found (:func:`grammar_cost`)."""
+    #: CPU seconds of the slowest token along the walk: its mask fill and its accept
+    seconds: float
+    #: the position (from 0) of that token
+    position: int
+    #: most bytes the process's resident memory grew by over the walk, read after each accept and again with a
+    #: fork of the matcher held (0 where the platform does not say)
+    state_bytes: int
+    #: the position where the memory was highest
+    state_position: int
+
+
+def blank_tokens(info: xgr.TokenizerInfo):
+    """A boolean array over ``info``'s vocabulary: the tokens whose text is whitespace alone (or empty)."""
+    import numpy as np
+
+    return np.fromiter((not token.strip() for token in info.decoded_vocab), dtype=bool, count=info.vocab_size)
+
+
+def _resident_bytes() -> int:
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+#: Memory a probe in the compiler process may allocate beyond twice the matcher limit (a matcher and a fork), for
+#: its own arrays and the allocator's arenas
+_PROBE_SLACK_BYTES = 256 << 20
+
+
+def _data_bytes() -> int:
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmData:'):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@contextlib.contextmanager
+def _memory_cap(extra_bytes: float):
+    """Cap this process's data segment at its present size plus ``extra_bytes`` (Linux's ``RLIMIT_DATA``), so that
+    an allocation past it fails in xgrammar with ``RuntimeError: std::bad_alloc`` instead of taking the machine's
+    memory: one accept of a key of an 8,000-property object allocates 1.9 GB at once. Only for the compiler
+    process, whose other threads are idle while it probes; nothing where the limit cannot be set."""
+    previous = None
+    try:
+        import resource
+        now = _data_bytes()
+        if now and extra_bytes != float('inf'):
+            soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+            cap = now + int(extra_bytes)
+            if hard != resource.RLIM_INFINITY:
+                cap = min(cap, hard)
+            resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+            previous = (soft, hard)
+    except (ImportError, AttributeError, ValueError, OSError):
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, previous)
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system, so that what a matcher allocates next shows in the resident size
+    (glibc only; elsewhere nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, walks: int = PROBE_WALKS,
+                 limit_s: float | None = None, state_limit_bytes: float | None = None, seed: int = 0,
+                 blank=None, budget_s: float = PROBE_BUDGET_S) -> GrammarCost:
+    """Walk ``walks`` times ``tokens`` positions through ``grammar`` and measure what a matcher of it costs the
+    engine.
+
+    At each position the mask is filled and timed (CPU time of the calling thread; again up to twice where it took
+    more than ``limit_s`` but less than ten times that, the fastest fill counting), then a token the mask allows is
+    taken at random (``seed``, then the next seed for each walk) and accepted (timed too). The walk prefers tokens
+    other than whitespace (``blank``, from :func:`blank_tokens`: a tokenizer has hundreds of whitespace tokens, and
+    a walk of those reads no key of a JSON object), never takes a stop token, and takes back a token after which
+    only stop tokens are allowed while it has other tokens to try. After each accept the process's resident memory
+    is read, and again with a fork of the matcher held, as the engine forks it for a draft window. Stops at the
+    first token over ``limit_s``, at the first memory reading over ``state_limit_bytes`` and once the walks have
+    taken ``budget_s`` CPU seconds.
+    """
     import numpy as np
 
     info = grammar.tokenizer_info
     vocab, stops = info.vocab_size, [t for t in info.stop_token_ids if 0 <= t < info.vocab_size]
-    matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+    if blank is None:
+        blank = blank_tokens(info)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
-    rng = np.random.default_rng(seed)
-    worst, where = 0.0, 0
-    for position in range(tokens):
-        fills = []
+
+    def fill(matcher) -> tuple[float, np.ndarray]:
+        """CPU seconds of the mask (the fastest of up to three fills) and the tokens the walk may take next."""
+        seconds = []
         for _ in range(3):
             # CPU time of this thread: a busy machine does not make a grammar slow (a mask of 12 ms took 65 ms of
             # wall time beside two engines on two cores)
             start = time.thread_time()
             matcher.fill_next_token_bitmask(bitmask)
-            fills.append(time.thread_time() - start)
-            if limit_s is not None and not limit_s < fills[-1] < 10 * limit_s:
+            seconds.append(time.thread_time() - start)
+            if limit_s is not None and not limit_s < seconds[-1] < 10 * limit_s:
                 break
-        if min(fills) > worst:
-            worst, where = min(fills), position
-        if limit_s is not None and worst > limit_s:
-            break
-        bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab]
-        bits[stops] = 0
-        allowed = np.flatnonzero(bits)
-        if not len(allowed) or not matcher.accept_token(int(rng.choice(allowed))):
-            break
-    return worst, where
+        bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab].astype(bool)
+        bits[stops] = False
+        candidates = np.flatnonzero(bits & ~blank[:vocab])
+        return min(seconds), candidates if len(candidates) else np.flatnonzero(bits)
+
+    cost = GrammarCost(0.0, 0, 0, 0)
+    _trim()
+    base = _resident_bytes()
+    until = time.thread_time() + budget_s
+    for walk in range(walks):
+        rng = np.random.default_rng(seed + walk)
+        matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+        mask_s, candidates = fill(matcher)
+        for position in range(tokens):
+            if limit_s is not None and mask_s > limit_s:
+                return cost._replace(seconds=mask_s, position=position)
+            if not len(candidates):
+                break
+            tries = rng.permutation(candidates)[:8]
+            for tried, token in enumerate(tries, 1):
+                start = time.thread_time()
+                accepted = matcher.accept_token(int(token))
+                accept_s = time.thread_time() - start
+                if not accepted:
+                    return cost  # xgrammar refused a token its own mask allowed: nothing to measure here
+                next_mask_s, next_candidates = fill(matcher)
+                if limit_s is not None and next_mask_s > limit_s:
+                    return cost._replace(seconds=next_mask_s, position=position + 1)
+                if len(next_candidates) or tried == len(tries):
+                    break
+                matcher.rollback(1)  # only stop tokens after this one: the walk tries another
+            if mask_s + accept_s > cost.seconds:
+                cost = cost._replace(seconds=mask_s + accept_s, position=position)
+            if limit_s is not None and cost.seconds > limit_s:
+                return cost
+            # read before the fork too: a matcher over the limit is not copied (8,000 optional properties: 1.9 GB)
+            fork = None
+            for forked in (False, True):
+                if forked:
+                    fork = matcher.fork()
+                grown = _resident_bytes() - base if base else 0
+                if grown > cost.state_bytes:
+                    cost = cost._replace(state_bytes=grown, state_position=position)
+                if state_limit_bytes is not None and cost.state_bytes > state_limit_bytes:
+                    return cost
+            del fork
+            if time.thread_time() > until:
+                return cost
+            mask_s, candidates = next_mask_s, next_candidates
+        del matcher
+    return cost
 
 
 def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, options: dict) -> xgr.CompiledGrammar:
@@ -158,6 +304,7 @@ def _child_main(fd: int, max_threads: int) -> None:
         return
     # the parent keeps the cache; a child may be killed any time and its cache would only grow
     compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+    blank = blank_tokens(info)
     conn.send(('ready',))
     while True:
         try:
@@ -166,21 +313,35 @@ def _child_main(fd: int, max_threads: int) -> None:
             return
         if message is None:
             return
-        kind, source, options, transfer_limit, mask_limit_s = message
+        kind, source, options, transfer_limit, mask_limit_s, state_limit_bytes = message
         start = time.perf_counter()
         try:
             grammar = _compile(compiler, kind, source, options)
             seconds = time.perf_counter() - start
-            # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up everyone
-            cost, position = (0.0, 0) if mask_limit_s == float('inf') else mask_cost(grammar, limit_s=mask_limit_s)
+            # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up
+            # everyone; and it keeps a matcher per guided row, forked for each draft window
+            cost = None
+            if not mask_limit_s == state_limit_bytes == float('inf'):
+                try:
+                    with _memory_cap(2 * state_limit_bytes + _PROBE_SLACK_BYTES):
+                        cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
+                                            blank=blank)
+                except RuntimeError as exc:
+                    if 'bad_alloc' not in str(exc):
+                        raise
+                    conn.send(('big', None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES))
+                    continue
         except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
             conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}'))
             continue
         except Exception as exc:  # a fault of this package or of xgrammar, not of the source
             conn.send(('internal', f'{type(exc).__name__}: {exc}'.strip()))
             continue
-        if cost > mask_limit_s:
-            conn.send(('slow', cost, position))
+        if cost is not None and cost.seconds > mask_limit_s:
+            conn.send(('slow', cost.seconds, cost.position))
+            continue
+        if cost is not None and cost.state_bytes > state_limit_bytes:
+            conn.send(('big', cost.state_bytes, cost.state_position))
             continue
         size = grammar.memory_size_bytes
         payload = grammar.serialize_json() if size <= transfer_limit else None
@@ -251,10 +412,15 @@ class GrammarCompileService:
         Longest a single compile may run (in the child, queueing not counted). Defaults to the environment
         variable ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT`` (seconds), else 30.
     mask_limit_ms : float, optional
-        Most a token mask of a compiled grammar may cost along a probe of its first :data:`PROBE_TOKENS` positions
-        (:func:`mask_cost`, in the child after the compile); a slower grammar fails with
-        :class:`GrammarCompileError` instead of holding up every request at every step. Defaults to the environment
-        variable ``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else 250; ``inf`` turns the probe off.
+        Most a token of a compiled grammar (its mask and its accept) may cost along a probe of its first
+        :data:`PROBE_TOKENS` positions (:func:`grammar_cost`, in the child after the compile); a slower grammar
+        fails with :class:`GrammarCompileError` instead of holding up every request at every step. Defaults to the
+        environment variable ``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else 250; ``inf`` turns this check off.
+    matcher_limit_mb : float, optional
+        Most megabytes a matcher of a compiled grammar (and a fork of it) may hold along the same probe; a grammar
+        whose matcher grows bigger fails with :class:`GrammarCompileError` instead of taking the engine's memory.
+        Defaults to the environment variable ``LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB``, else 64; ``inf`` turns
+        this check off.
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
         grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
@@ -278,7 +444,8 @@ class GrammarCompileService:
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | str, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
-                 transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None):
+                 transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None,
+                 matcher_limit_mb: float | None = None):
         if isinstance(tokenizer_info, str):
             self._info_json = tokenizer_info
             self._info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
@@ -293,6 +460,10 @@ class GrammarCompileService:
             MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
         if not self.mask_limit_ms > 0:
             raise ValueError(f'mask_limit_ms must be positive, got {mask_limit_ms!r}')
+        self.matcher_limit_mb = float(matcher_limit_mb) if matcher_limit_mb is not None else positive_from_env(
+            MATCHER_LIMIT_ENV, DEFAULT_MATCHER_LIMIT_MB, kind='a number of megabytes')
+        if not self.matcher_limit_mb > 0:
+            raise ValueError(f'matcher_limit_mb must be positive, got {matcher_limit_mb!r}')
         if cache_limit_bytes < 0:
             raise ValueError(f'cache_limit_bytes must be >= 0 (a bounded cache), got {cache_limit_bytes}')
         if max_workers < 1 or max_threads < 1:
@@ -513,7 +684,8 @@ class GrammarCompileService:
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar:
         child = self._child(slot)
         try:
-            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes, self.mask_limit_ms / 1e3))
+            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes, self.mask_limit_ms / 1e3,
+                             self.matcher_limit_mb * (1 << 20)))
             answered = child.conn.poll(self.timeout_s)
             reply = child.conn.recv() if answered else None
         except (EOFError, OSError):
@@ -539,6 +711,17 @@ class GrammarCompileService:
                 f'request would wait for it at every step. Simplify the schema or regex; counted repetitions of '
                 f'groups that can match the same text in several ways, such as ([a-z]+ ?){{1,300}}, are the '
                 f'usual cause')
+        if reply[0] == 'big':
+            # a fresh child for the next compile: this one may have been cut off in the middle of an allocation
+            self._drop_child(slot)
+            took = (f'more than {reply[2] / (1 << 20):.0f} MB of memory within {PROBE_TOKENS} tokens'
+                    if reply[1] is None else f'{reply[1] / (1 << 20):.0f} MB of memory after {reply[2] + 1} tokens')
+            raise GrammarCompileError(
+                f'matching the {self._describe(job)} took {took} of a probe, more than the limit of '
+                f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the '
+                f'engine keeps a matcher per guided request and copies it for every draft window. Simplify the '
+                f'schema; an object with thousands of optional properties is the usual cause (list them as '
+                f'required, or split the object)')
         _, payload, seconds, size = reply
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)

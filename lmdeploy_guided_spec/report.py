@@ -27,7 +27,14 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     ``compile_timeout_s`` is the limit of the engine's compile service, or None where it has none (grammars then
     compile in the model agent, without a limit).
     """
-    from .compile import COMPILE_TIMEOUT_ENV
+    from .compile import (
+        COMPILE_TIMEOUT_ENV,
+        DEFAULT_MASK_LIMIT_MS,
+        DEFAULT_MATCHER_LIMIT_MB,
+        MASK_LIMIT_ENV,
+        MATCHER_LIMIT_ENV,
+    )
+    from .env import positive_from_env
     from .forced import DRAFT_MASKS_ENV, FORCED_DRAFTS_ENV, draft_masks_from_env, forced_drafts_from_env
     from .guess import GUESS_DRAFTS_ENV, guess_sources_from_env
     from .worker import SWITCH_INTERVAL_ENV, switch_interval_from_env
@@ -35,6 +42,14 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         compile_service = 'off (grammars compile in the model agent)'
     else:
         compile_service = f'a child process, limit {compile_timeout_s:g} s ({COMPILE_TIMEOUT_ENV})'
+        for name, default, unit, what in ((MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, 'ms', 'token masks'),
+                                          (MATCHER_LIMIT_ENV, DEFAULT_MATCHER_LIMIT_MB, 'MB', 'matchers')):
+            try:
+                value = positive_from_env(name, default)
+                limit = 'unlimited' if value == float('inf') else f'up to {value:g} {unit}'
+            except ValueError as err:
+                limit = f'invalid ({err})'
+            compile_service += f', {what} {limit} ({name})'
     try:
         sources = guess_sources_from_env()
         guessed = ','.join(sources) or 'off'

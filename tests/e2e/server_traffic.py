@@ -4,6 +4,7 @@ format, streaming and not, and clients that disconnect mid-stream (``test_server
 from __future__ import annotations
 
 import asyncio
+import os
 import urllib.request
 from collections.abc import Callable
 
@@ -178,3 +179,24 @@ def patterned(base: str, alive: Callable[[], None], seeds: int = 12) -> int:
 
 def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
+
+
+def resident_mb(pid: int) -> int:
+    """Resident memory of the server ``pid`` and the processes of its group (the engine's), in MB, without the
+    grammar compiler processes, which are killed and started again at will."""
+    total = 0
+    group = os.getpgid(pid)
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != group:
+                continue
+            with open(f'/proc/{entry}/cmdline', 'rb') as f:
+                if b'_child_main' in f.read():
+                    continue
+            with open(f'/proc/{entry}/status') as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+        except (OSError, StopIteration, ValueError):
+            continue  # gone meanwhile, or a kernel thread
+    return total >> 10

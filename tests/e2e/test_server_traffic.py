@@ -83,16 +83,16 @@ def test_hostile_requests(server):
     # a regex whose masks cost over a second per token (it held up every request at every step): refused with the
     # cost and the limit (HTTP 400)
     slow = {'type': 'regex_schema', 'regex_schema': '([a-z]+ ?){1,300}'}
-    try:
-        choice = client.chat.completions.create(model=model, messages=messages, response_format=slow,
-                                                max_tokens=16).choices[0]
-    except openai.APIStatusError as err:
-        assert err.status_code == 400 and 'ms per token to match' in str(err), err
-    else:
-        # lmdeploy 0.14.0's api_server answers a request the engine failed with its reason as the text
-        import lmdeploy
-        assert lmdeploy.__version__ == '0.14.0' and choice.finish_reason == 'error', choice
-        assert 'ms per token to match' in choice.message.content, choice
+    _refused(client, model, messages, slow, 'ms per token to match')
+    # an object of 3,000 optional properties: xgrammar's matcher holds about 0.1 GB once it has read a key, and as
+    # much again for each fork (8,000 properties: 1.9 GB each; one request took the engine past 8 GB). Refused
+    # with the memory and the limit, and the server's memory stays where it was
+    wide = {'type': 'json_schema', 'json_schema': {'name': 'wide', 'schema': {
+        'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(3000)},
+        'additionalProperties': False}}}
+    before = traffic.resident_mb(proc.pid)
+    _refused(client, model, messages, wide, 'MB of memory after')
+    assert traffic.resident_mb(proc.pid) < before + 100, (before, traffic.resident_mb(proc.pid))
     # raw logprobs of a guided request, non-streamed and streamed: finite numbers, valid JSON over HTTP
     fmt = response_format('json_schema')
     choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=96,
@@ -109,6 +109,20 @@ def test_hostile_requests(server):
                 assert math.isfinite(t.logprob)
     assert proc.poll() is None, log.read_text()[-4000:]
     assert traffic.health(base) == 200
+
+
+def _refused(client, model, messages, fmt, reason):
+    """A request the engine refuses for its grammar: HTTP 400 with ``reason``; lmdeploy 0.14.0's api_server answers
+    a request the engine failed with its reason as the text."""
+    try:
+        choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                max_tokens=16).choices[0]
+    except openai.APIStatusError as err:
+        assert err.status_code == 400 and reason in str(err), err
+    else:
+        import lmdeploy
+        assert lmdeploy.__version__ == '0.14.0' and choice.finish_reason == 'error', choice
+        assert reason in choice.message.content, choice
 
 
 def test_patterns_xgrammar_compiles_inexactly(server):

@@ -15,7 +15,13 @@ from lmdeploy_guided_spec import (
     GuidedSpecError,
     xgrammar_reason,
 )
-from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV, MASK_LIMIT_ENV, GrammarCompileService, mask_cost
+from lmdeploy_guided_spec.compile import (
+    COMPILE_TIMEOUT_ENV,
+    MASK_LIMIT_ENV,
+    MATCHER_LIMIT_ENV,
+    GrammarCompileService,
+    grammar_cost,
+)
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
 pytestmark = pytest.mark.unit
@@ -251,18 +257,59 @@ def test_a_grammar_whose_mask_is_slow_fails_with_the_reason():
         assert svc.submit('regex', SLOW_REGEX).result(timeout=120) is not None
 
 
-def test_the_mask_cost_of_a_grammar():
+def test_the_cost_of_a_grammar():
     compiler = grammar_compiler('llama3')
-    cheap, _ = mask_cost(compiler.compile_json_schema(json.dumps(PERSON)))
-    assert cheap < 0.01
+    cheap = grammar_cost(compiler.compile_json_schema(json.dumps(PERSON)))
+    assert cheap.seconds < 0.01 and cheap.state_bytes < 16 << 20
     # stops at the first mask over the limit
-    slow, position = mask_cost(compiler.compile_regex(SLOW_REGEX), limit_s=0.05)
-    assert slow > 0.05 and position <= 2
+    slow = grammar_cost(compiler.compile_regex(SLOW_REGEX), limit_s=0.05)
+    assert slow.seconds > 0.05 and slow.position <= 2
+    # the matcher of a wide object of optional properties grows by hundreds of MB once it has read a key
+    wide = grammar_cost(compiler.compile_json_schema(json.dumps(_wide(3000))))
+    assert wide.state_bytes > 128 << 20 and wide.state_position >= 2, wide
+
+
+def _wide(n: int) -> dict:
+    """An object of ``n`` optional properties: xgrammar's matcher holds about n**3 bytes after the first key."""
+    return {'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(n)},
+            'additionalProperties': False}
+
+
+def test_a_grammar_whose_matcher_grows_huge_fails_with_the_reason():
+    """The engine keeps a matcher per guided request and forks it for every draft window: a schema of 8,000
+    optional properties (4 s to compile) took the engine's process past 8 GB with one request. The probe reads the
+    child's memory along its walk, and again with a fork held, and fails such a grammar with the size and the
+    limit; ordinary grammars pass, and the service goes on compiling (with a fresh child)."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1) as svc:
+        assert svc.matcher_limit_mb == 64
+        with pytest.raises(GrammarCompileError, match=r'matching the json_schema grammar .* took \d+ MB of memory '
+                           r'after \d+ tokens of a probe, more than the limit of 64 MB') as info:
+            svc.submit('json_schema', _wide(3000)).result(timeout=120)
+        assert MATCHER_LIMIT_ENV in str(info.value) and 'optional properties' in str(info.value)
+        # one accept of a key of 6,000 optional properties allocates about 0.8 GB at once: the child's memory is
+        # capped while it probes, so the allocation fails there instead of taking the machine's memory
+        with pytest.raises(GrammarCompileError, match=r'took more than 384 MB of memory within 16 tokens of a probe, '
+                           r'more than the limit of 64 MB'):
+            svc.submit('json_schema', _wide(6000)).result(timeout=120)
+        assert svc.submit('json_schema', _wide(300)).result(timeout=60) is not None
+        for kind, source, options, text in CASES:
+            grammar = svc.submit(kind, source, **options).result(timeout=60)
+            assert _same_masks(grammar, _reference(kind, source, options), text)
+    # an infinite limit turns the check off
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1,
+                               matcher_limit_mb=float('inf')) as svc:
+        assert svc.submit('json_schema', _wide(3000)).result(timeout=120) is not None
 
 
 def test_a_bad_mask_limit_variable_is_named(monkeypatch):
     monkeypatch.setenv(MASK_LIMIT_ENV, '-3')
     with pytest.raises(ValueError, match=MASK_LIMIT_ENV):
+        GrammarCompileService(tokenizer_info('llama3'))
+
+
+def test_a_bad_matcher_limit_variable_is_named(monkeypatch):
+    monkeypatch.setenv(MATCHER_LIMIT_ENV, 'lots')
+    with pytest.raises(ValueError, match=MATCHER_LIMIT_ENV):
         GrammarCompileService(tokenizer_info('llama3'))
 
 

@@ -11,10 +11,14 @@ def test_the_startup_line_names_the_series_method_and_settings(monkeypatch):
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_FORCED_DRAFTS', raising=False)
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS', raising=False)
     monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', raising=False)
+    monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS', raising=False)
+    monkeypatch.delenv('LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB', raising=False)
     line = startup_message('0.14.0', 'eagle3', 3, compile_timeout_s=30.0)
     assert line.startswith(f'lmdeploy-guided-spec {__version__} active on lmdeploy 0.14.0: '
                            "speculative method 'eagle3', k=3; grammar: ")
-    assert 'compile service: a child process, limit 30 s (LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT)' in line
+    assert ('compile service: a child process, limit 30 s (LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT), token masks up to '
+            '250 ms (LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS), matchers up to 64 MB (LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB);'
+            ) in line
     assert "whitespace: 'any'" in line
     assert 'draft-model logits masked: on; forced drafts in draft-model windows: on' in line
     assert 'guessed drafts: format,lookup' in line
@@ -36,6 +40,11 @@ def test_the_startup_line_follows_the_environment(monkeypatch):
     assert ('draft-model logits masked: off (LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0; verification only); '
             'forced drafts in draft-model windows: off (with LMDEPLOY_GUIDED_SPEC_DRAFT_MASKS=0); guessed drafts: '
             'lookup (LMDEPLOY_GUIDED_SPEC_GUESS_DRAFTS); none in draft-model windows, as forced drafts') in line
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB', 'inf')
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS', 'slow')
+    line = startup_message('0.18.0', 'eagle3', 3, compile_timeout_s=5)
+    assert ("token masks invalid (LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS='slow' is not a number) "
+            '(LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS), matchers unlimited (LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB)') in line
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', '0.2')
     assert startup_message('0.18.0').endswith('switch interval: 0.2 ms (LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS)')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', 'fast')
