@@ -25,7 +25,6 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -63,7 +62,7 @@ DEFAULT_MASK_LIMIT_MS = 250.0
 MATCHER_LIMIT_ENV = 'LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB'
 #: Matcher memory limit when neither the argument nor the environment variable gives one. xgrammar's matcher of an
 #: object with thousands of optional properties holds gigabytes once it has read one key (8,000 properties: 1.9 GB,
-#: and as much again for each fork; 4,000: 0.24 GB), while the schemas of JSONSchemaBench stay under a few MB. The
+#: and as much again for each fork; 4,000: 0.24 GB), while the schemas of JSONSchemaBench stay under 15 MB. The
 #: engine keeps one matcher per guided row and forks it for every draft window, so one such request took the
 #: engine's process past 8 GB.
 DEFAULT_MATCHER_LIMIT_MB = 64.0
@@ -125,11 +124,31 @@ class GrammarCost(NamedTuple):
     state_position: int
 
 
-def blank_tokens(info: xgr.TokenizerInfo):
-    """A boolean array over ``info``'s vocabulary: the tokens whose text is whitespace alone (or empty)."""
+class ProbeTokens(NamedTuple):
+    """Boolean arrays over a vocabulary that steer a probe's walk (:func:`probe_tokens`)."""
+    #: text of whitespace alone, or empty
+    blank: Any
+    #: text that closes an object or an array
+    closes: Any
+    #: text with a double quote: it opens a key or a string, or ends one
+    quotes: Any
+    #: bytes of text, whitespace around it not counted
+    length: Any
+
+
+def probe_tokens(info: xgr.TokenizerInfo) -> ProbeTokens:
+    """The :class:`ProbeTokens` of ``info``'s vocabulary."""
     import numpy as np
 
-    return np.fromiter((not token.strip() for token in info.decoded_vocab), dtype=bool, count=info.vocab_size)
+    vocab = info.decoded_vocab
+    flags = np.zeros((3, info.vocab_size), dtype=bool)
+    length = np.zeros(info.vocab_size, dtype=np.int32)
+    for token, text in enumerate(vocab[:info.vocab_size]):
+        flags[0, token] = not text.strip()
+        flags[1, token] = b'}' in text or b']' in text
+        flags[2, token] = b'"' in text
+        length[token] = len(text.strip())
+    return ProbeTokens(*flags, length)
 
 
 def _resident_bytes() -> int:
@@ -194,16 +213,19 @@ def _trim() -> None:
 
 def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, walks: int = PROBE_WALKS,
                  limit_s: float | None = None, state_limit_bytes: float | None = None, seed: int = 0,
-                 blank=None, budget_s: float = PROBE_BUDGET_S) -> GrammarCost:
+                 kinds: ProbeTokens | None = None, budget_s: float = PROBE_BUDGET_S) -> GrammarCost:
     """Walk ``walks`` times ``tokens`` positions through ``grammar`` and measure what a matcher of it costs the
     engine.
 
     At each position the mask is filled and timed (CPU time of the calling thread; again up to twice where it took
     more than ``limit_s`` but less than ten times that, the fastest fill counting), then a token the mask allows is
-    taken at random (``seed``, then the next seed for each walk) and accepted (timed too). The walk prefers tokens
-    other than whitespace (``blank``, from :func:`blank_tokens`: a tokenizer has hundreds of whitespace tokens, and
-    a walk of those reads no key of a JSON object), never takes a stop token, and takes back a token after which
-    only stop tokens are allowed while it has other tokens to try. After each accept the process's resident memory
+    taken at random (``seed``, then the next seed for each walk) and accepted (timed too). The walk is steered into
+    a grammar's structure (``kinds``, from :func:`probe_tokens`): it prefers tokens other than whitespace (a
+    tokenizer has hundreds, and a walk of those reads no key of a JSON object), then tokens that close no object or
+    array, and at every other position, at random, tokens with a double quote (which open keys and end strings: a
+    walk inside a free string reads no further key), and of those one of the 3 longest (so that 16 tokens reach a
+    nested key). It never takes a stop token, and takes back a token after which only stop tokens are allowed while
+    it has other tokens to try. After each accept the process's resident memory
     is read, and again with a fork of the matcher held, as the engine forks it for a draft window. Stops at the
     first token over ``limit_s``, at the first memory reading over ``state_limit_bytes`` and once the walks have
     taken ``budget_s`` CPU seconds.
@@ -212,12 +234,12 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
 
     info = grammar.tokenizer_info
     vocab, stops = info.vocab_size, [t for t in info.stop_token_ids if 0 <= t < info.vocab_size]
-    if blank is None:
-        blank = blank_tokens(info)
+    if kinds is None:
+        kinds = probe_tokens(info)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
     def fill(matcher) -> tuple[float, np.ndarray]:
-        """CPU seconds of the mask (the fastest of up to three fills) and the tokens the walk may take next."""
+        """CPU seconds of the mask (the fastest of up to three fills) and the tokens it allows, stop tokens not."""
         seconds = []
         for _ in range(3):
             # CPU time of this thread: a busy machine does not make a grammar slow (a mask of 12 ms took 65 ms of
@@ -229,8 +251,21 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
                 break
         bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab].astype(bool)
         bits[stops] = False
-        candidates = np.flatnonzero(bits & ~blank[:vocab])
-        return min(seconds), candidates if len(candidates) else np.flatnonzero(bits)
+        return min(seconds), bits
+
+    def choose(allowed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Up to 8 tokens to try, in order: the steered choice first, then any token the walk prefers."""
+        steers = [~kinds.blank[:vocab], ~kinds.closes[:vocab]] + ([kinds.quotes[:vocab]] if rng.random() < 0.5 else [])
+        pools = [allowed]
+        for steer in steers:
+            narrower = pools[-1] & steer
+            if narrower.any():
+                pools.append(narrower)
+        steered = np.flatnonzero(pools[-1])
+        if len(steered) > 3:  # the longest: a key of the schema is often one token, or a few
+            steered = steered[np.argpartition(-kinds.length[steered], 3)[:3]]
+        tries = [rng.permutation(steered), rng.permutation(np.flatnonzero(pools[1 if len(pools) > 1 else 0]))[:8]]
+        return np.concatenate(tries)[:8]
 
     cost = GrammarCost(0.0, 0, 0, 0)
     _trim()
@@ -239,23 +274,23 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     for walk in range(walks):
         rng = np.random.default_rng(seed + walk)
         matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
-        mask_s, candidates = fill(matcher)
+        mask_s, allowed = fill(matcher)
         for position in range(tokens):
             if limit_s is not None and mask_s > limit_s:
                 return cost._replace(seconds=mask_s, position=position)
-            if not len(candidates):
+            if not allowed.any():
                 break
-            tries = rng.permutation(candidates)[:8]
+            tries = choose(allowed, rng)
             for tried, token in enumerate(tries, 1):
                 start = time.thread_time()
                 accepted = matcher.accept_token(int(token))
                 accept_s = time.thread_time() - start
                 if not accepted:
                     return cost  # xgrammar refused a token its own mask allowed: nothing to measure here
-                next_mask_s, next_candidates = fill(matcher)
+                next_mask_s, next_allowed = fill(matcher)
                 if limit_s is not None and next_mask_s > limit_s:
                     return cost._replace(seconds=next_mask_s, position=position + 1)
-                if len(next_candidates) or tried == len(tries):
+                if next_allowed.any() or tried == len(tries):
                     break
                 matcher.rollback(1)  # only stop tokens after this one: the walk tries another
             if mask_s + accept_s > cost.seconds:
@@ -275,7 +310,7 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
             del fork
             if time.thread_time() > until:
                 return cost
-            mask_s, candidates = next_mask_s, next_candidates
+            mask_s, allowed = next_mask_s, next_allowed
         del matcher
     return cost
 
@@ -304,7 +339,7 @@ def _child_main(fd: int, max_threads: int) -> None:
         return
     # the parent keeps the cache; a child may be killed any time and its cache would only grow
     compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-    blank = blank_tokens(info)
+    kinds = probe_tokens(info)
     conn.send(('ready',))
     while True:
         try:
@@ -325,7 +360,7 @@ def _child_main(fd: int, max_threads: int) -> None:
                 try:
                     with _memory_cap(2 * state_limit_bytes + _PROBE_SLACK_BYTES):
                         cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
-                                            blank=blank)
+                                            kinds=kinds)
                 except RuntimeError as exc:
                     if 'bad_alloc' not in str(exc):
                         raise
@@ -428,7 +463,8 @@ class GrammarCompileService:
         Threads xgrammar uses for one compile.
     max_workers : int
         Compiler processes (compiles that run at the same time). One slow schema then holds one worker until its
-        limit while the others keep compiling.
+        limit while the others keep compiling. The first process starts with the service, the others with the
+        first compile that arrives while all before them are busy.
     transfer_limit_bytes : int
         Biggest grammar the child sends back serialized; a bigger one is compiled again in the parent, which is
         faster than its JSON round trip (see the module docstring).
@@ -475,7 +511,12 @@ class GrammarCompileService:
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
         self._inflight: dict[tuple, concurrent.futures.Future] = {}
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
+        # first takes a job only while all before it are busy, so its process starts only when compiles overlap
+        # (each costs about 240 MB, most of it torch)
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._busy = [False] * max_workers
+        self._gate = threading.Condition()
         self._children: list[_Child | None] = [None] * max_workers
         self._local: xgr.GrammarCompiler | None = None
         self._closed = False
@@ -548,7 +589,9 @@ class GrammarCompileService:
                 return inflight
             job = _Job(key, kind, source, options)
             self._inflight[key] = job.future
-        self._jobs.put(job)
+        with self._gate:
+            self._jobs.append(job)
+            self._gate.notify_all()
         return job.future
 
     def lookup(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar | None:
@@ -577,8 +620,8 @@ class GrammarCompileService:
                 return
             self._closed = True
             children = list(self._children)
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._gate:
+            self._gate.notify_all()
         for child in children:
             # a kill unblocks the thread waiting on this child's socket (or for it to start)
             if child is not None and child.process.poll() is None:
@@ -589,14 +632,11 @@ class GrammarCompileService:
             if child is not None:
                 child.kill()
                 self._children[slot] = None
-        # a job queued behind the sentinels never reached a thread
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
+        # a job no thread took before the close
+        with self._gate:
+            left, self._jobs = list(self._jobs), collections.deque()
+        for job in left:
+            self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
 
     def __enter__(self) -> GrammarCompileService:
         return self
@@ -633,31 +673,43 @@ class GrammarCompileService:
 
     def _serve(self, slot: int) -> None:
         while True:
-            if self._children[slot] is None and not self._closed:
-                # start the next child before a job asks for it: a fresh interpreter takes seconds to import
-                # xgrammar (and torch with it), which would otherwise add to the first compile after a kill
+            if slot == 0 and self._children[slot] is None and not self._closed:
+                # start the first child before a job asks for it: a fresh interpreter takes seconds to import
+                # xgrammar (and torch with it), which would otherwise add to the first compile (and to the first
+                # after a kill). The others start with the first compile that overlaps
                 try:
                     self._child(slot)
                 except GrammarCompilerUnavailable as exc:
                     if not self._closed:
                         # (a child that close() killed while it started is no failure)
                         logger.warning('%s; trying again with the next compile', exc)
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._closed:
-                self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                with self._lock:
-                    self._inflight.pop(job.key, None)
-                continue
+            with self._gate:
+                self._gate.wait_for(lambda: self._closed or (self._jobs and all(self._busy[:slot])))
+                if self._closed:
+                    return
+                job = self._jobs.popleft()
+                self._busy[slot] = True
             try:
-                grammar = self._run(slot, job)
-            except BaseException as exc:  # every failure belongs to this job's future, the thread serves on
-                self._finish(job, error=exc)
-            else:
-                self._finish(job, grammar=grammar)
+                self._serve_job(slot, job)
+            finally:
+                with self._gate:
+                    self._busy[slot] = False
+                    self._gate.notify_all()
+
+    def _serve_job(self, slot: int, job: _Job) -> None:
+        if self._closed:
+            self._finish(job, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
+            return
+        if not job.future.set_running_or_notify_cancel():
+            with self._lock:
+                self._inflight.pop(job.key, None)
+            return
+        try:
+            grammar = self._run(slot, job)
+        except BaseException as exc:  # every failure belongs to this job's future, the thread serves on
+            self._finish(job, error=exc)
+        else:
+            self._finish(job, grammar=grammar)
 
     def _child(self, slot: int) -> _Child:
         child = self._children[slot]

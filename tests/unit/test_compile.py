@@ -168,6 +168,29 @@ def test_a_slow_compile_times_out_while_the_caller_keeps_running(service):
     assert _same_masks(grammar, _reference('json_schema', NESTED, {}), '{"inner": {"x": 2}}')
 
 
+def test_a_second_compiler_process_starts_only_when_compiles_overlap():
+    """Each compiler process holds about 240 MB (xgrammar imports torch): an engine whose compiles come one at a
+    time keeps one process, and the second starts when a compile arrives while the first runs, and compiles it
+    meanwhile."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=120, max_workers=2) as svc:
+        for kind, source, options, _ in CASES:
+            svc.submit(kind, source, **options).result(timeout=60)
+        assert [child is not None for child in svc._children] == [True, False]
+        slow = svc.submit('json_schema', _slow_schema(100_002))  # about a minute
+        deadline = time.perf_counter() + 10
+        while not slow.running() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert slow.running()
+        grammar = svc.submit('json_schema', NESTED, any_whitespace=False, strict_mode=False).result(timeout=60)
+        assert not slow.done(), 'the second compile waited for the first'
+        assert [child is not None for child in svc._children] == [True, True]
+        assert _same_masks(grammar, _reference('json_schema', NESTED, dict(any_whitespace=False, strict_mode=False)),
+                           '{"inner": {"x": 2}}')
+    # the close stopped the slow compile
+    with pytest.raises(GrammarCompilerUnavailable):
+        slow.result(timeout=30)
+
+
 def test_a_crashed_child_fails_its_compile_and_is_replaced(service):
     service.compile('regex', 'warm-up')
     future = service.submit('json_schema', _slow_schema(100_001))
@@ -267,6 +290,12 @@ def test_the_cost_of_a_grammar():
     # the matcher of a wide object of optional properties grows by hundreds of MB once it has read a key
     wide = grammar_cost(compiler.compile_json_schema(json.dumps(_wide(3000))))
     assert wide.state_bytes > 128 << 20 and wide.state_position >= 2, wide
+    # also in an array after a free string: the walk is steered out of the string and into the object (a random
+    # walk wrote the string for all its tokens, or closed the object at once)
+    nested = {'type': 'object', 'properties': {'title': {'type': 'string'}, 'rows': {'type': 'array', 'items': _wide(
+        3000)}}, 'required': ['title', 'rows']}
+    deep = grammar_cost(compiler.compile_json_schema(json.dumps(nested)))
+    assert deep.state_bytes > 128 << 20, deep
 
 
 def _wide(n: int) -> dict:
