@@ -58,6 +58,13 @@ def test_the_worker_thread_sets_the_interval_when_it_starts(monkeypatch, interva
     worker.shutdown()
     assert sys.getswitchinterval() == pytest.approx(0.00025)
     assert 'is not a positive number of milliseconds' in caplog.text
+    # once per process: the next worker (another engine, rank or pipeline) does not log it again
+    caplog.clear()
+    worker = GrammarWorker()
+    with caplog.at_level(logging.WARNING, logger='lmdeploy_guided_spec'):
+        worker.run(lambda: None)
+    worker.shutdown()
+    assert 'is not a positive number' not in caplog.text
     # unset: Python's interval is left as it is
     monkeypatch.delenv(SWITCH_INTERVAL_ENV)
     sys.setswitchinterval(0.005)
