@@ -42,7 +42,7 @@ from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarComp
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
     'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
-    'grammar_stop_token_ids', 'grammar_cost'
+    'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env'
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,18 @@ PROBE_WALKS = 3
 #: CPU seconds after which a probe stops walking (the schemas of JSONSchemaBench take up to 0.06 s): a grammar
 #: whose masks cost just under the limit would otherwise spend the compile's time limit in its probe.
 PROBE_BUDGET_S = 2.0
+
+
+
+def mask_limit_ms_from_env() -> float:
+    """``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else :data:`DEFAULT_MASK_LIMIT_MS`; ``ValueError`` naming it."""
+    return positive_from_env(MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
+
+
+def matcher_limit_mb_from_env() -> float:
+    """``LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB``, else :data:`DEFAULT_MATCHER_LIMIT_MB`; ``ValueError`` naming it."""
+    return positive_from_env(MATCHER_LIMIT_ENV, DEFAULT_MATCHER_LIMIT_MB, kind='a number of megabytes')
+
 
 #: Grammar kinds and the keyword options each accepts (those of the matching ``GrammarCompiler`` method).
 KINDS = {
@@ -151,24 +163,18 @@ def probe_tokens(info: xgr.TokenizerInfo) -> ProbeTokens:
     return ProbeTokens(*flags, length)
 
 
-def _resident_bytes() -> int:
-    try:
-        with open('/proc/self/statm') as f:
-            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 #: Memory a probe in the compiler process may allocate beyond twice the matcher limit (a matcher and a fork), for
 #: its own arrays and the allocator's arenas
 _PROBE_SLACK_BYTES = 256 << 20
 
 
-def _data_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """A size of this process from ``/proc/self/status`` (``VmRSS``: resident, ``VmData``: data segment); 0 where
+    the platform does not say."""
     try:
         with open('/proc/self/status') as f:
             for line in f:
-                if line.startswith('VmData:'):
+                if line.startswith(f'{field}:'):
                     return int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
         pass
@@ -184,7 +190,7 @@ def _memory_cap(extra_bytes: float):
     previous = None
     try:
         import resource
-        now = _data_bytes()
+        now = _status_bytes('VmData')
         if now and extra_bytes != float('inf'):
             soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
             cap = now + int(extra_bytes)
@@ -222,13 +228,12 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     taken at random (``seed``, then the next seed for each walk) and accepted (timed too). The walk is steered into
     a grammar's structure (``kinds``, from :func:`probe_tokens`): it prefers tokens other than whitespace (a
     tokenizer has hundreds, and a walk of those reads no key of a JSON object), then tokens that close no object or
-    array, and at every other position, at random, tokens with a double quote (which open keys and end strings: a
+    array, at about half the positions (at random) tokens with a double quote (which open keys and end strings: a
     walk inside a free string reads no further key), and of those one of the 3 longest (so that 16 tokens reach a
     nested key). It never takes a stop token, and takes back a token after which only stop tokens are allowed while
-    it has other tokens to try. After each accept the process's resident memory
-    is read, and again with a fork of the matcher held, as the engine forks it for a draft window. Stops at the
-    first token over ``limit_s``, at the first memory reading over ``state_limit_bytes`` and once the walks have
-    taken ``budget_s`` CPU seconds.
+    it has other tokens to try. After each accept the process's resident memory is read, and again with a fork of
+    the matcher held, as the engine forks it for a draft window. Stops at the first token over ``limit_s``, at the
+    first memory reading over ``state_limit_bytes`` and once the walks have taken ``budget_s`` CPU seconds.
     """
     import numpy as np
 
@@ -255,7 +260,7 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
 
     def choose(allowed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Up to 8 tokens to try, in order: the steered choice first, then any token the walk prefers."""
-        steers = [~kinds.blank[:vocab], ~kinds.closes[:vocab]] + ([kinds.quotes[:vocab]] if rng.random() < 0.5 else [])
+        steers = [~kinds.blank, ~kinds.closes] + ([kinds.quotes] if rng.random() < 0.5 else [])
         pools = [allowed]
         for steer in steers:
             narrower = pools[-1] & steer
@@ -269,7 +274,12 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
 
     cost = GrammarCost(0.0, 0, 0, 0)
     _trim()
-    base = _resident_bytes()
+    base = _status_bytes('VmRSS')
+
+    def with_state(cost: GrammarCost, position: int) -> GrammarCost:
+        grown = _status_bytes('VmRSS') - base if base else 0
+        return cost._replace(state_bytes=grown, state_position=position) if grown > cost.state_bytes else cost
+
     until = time.thread_time() + budget_s
     for walk in range(walks):
         rng = np.random.default_rng(seed + walk)
@@ -298,16 +308,14 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
             if limit_s is not None and cost.seconds > limit_s:
                 return cost
             # read before the fork too: a matcher over the limit is not copied (8,000 optional properties: 1.9 GB)
-            fork = None
-            for forked in (False, True):
-                if forked:
-                    fork = matcher.fork()
-                grown = _resident_bytes() - base if base else 0
-                if grown > cost.state_bytes:
-                    cost = cost._replace(state_bytes=grown, state_position=position)
-                if state_limit_bytes is not None and cost.state_bytes > state_limit_bytes:
-                    return cost
+            cost = with_state(cost, position)
+            if state_limit_bytes is not None and cost.state_bytes > state_limit_bytes:
+                return cost
+            fork = matcher.fork()
+            cost = with_state(cost, position)
             del fork
+            if state_limit_bytes is not None and cost.state_bytes > state_limit_bytes:
+                return cost
             if time.thread_time() > until:
                 return cost
             mask_s, allowed = next_mask_s, next_allowed
@@ -355,16 +363,16 @@ def _child_main(fd: int, max_threads: int) -> None:
             seconds = time.perf_counter() - start
             # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up
             # everyone; and it keeps a matcher per guided row, forked for each draft window
-            cost = None
+            cost, cap = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES
             if not mask_limit_s == state_limit_bytes == float('inf'):
                 try:
-                    with _memory_cap(2 * state_limit_bytes + _PROBE_SLACK_BYTES):
+                    with _memory_cap(cap):
                         cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
                                             kinds=kinds)
                 except RuntimeError as exc:
                     if 'bad_alloc' not in str(exc):
                         raise
-                    conn.send(('big', None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES))
+                    conn.send(('big', cap, None))  # the cap stopped an allocation: more than that, somewhere
                     continue
         except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
             conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}'))
@@ -492,12 +500,11 @@ class GrammarCompileService:
             COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, kind='a number of seconds')
         if not self.timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
-        self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else positive_from_env(
-            MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
+        self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else mask_limit_ms_from_env()
         if not self.mask_limit_ms > 0:
             raise ValueError(f'mask_limit_ms must be positive, got {mask_limit_ms!r}')
-        self.matcher_limit_mb = float(matcher_limit_mb) if matcher_limit_mb is not None else positive_from_env(
-            MATCHER_LIMIT_ENV, DEFAULT_MATCHER_LIMIT_MB, kind='a number of megabytes')
+        self.matcher_limit_mb = (float(matcher_limit_mb) if matcher_limit_mb is not None else
+                                 matcher_limit_mb_from_env())
         if not self.matcher_limit_mb > 0:
             raise ValueError(f'matcher_limit_mb must be positive, got {matcher_limit_mb!r}')
         if cache_limit_bytes < 0:
@@ -766,14 +773,14 @@ class GrammarCompileService:
         if reply[0] == 'big':
             # a fresh child for the next compile: this one may have been cut off in the middle of an allocation
             self._drop_child(slot)
-            took = (f'more than {reply[2] / (1 << 20):.0f} MB of memory within {PROBE_TOKENS} tokens'
-                    if reply[1] is None else f'{reply[1] / (1 << 20):.0f} MB of memory after {reply[2] + 1} tokens')
+            _, size, position = reply
+            took = (f'more than {size / (1 << 20):.0f} MB of memory within {PROBE_TOKENS} tokens' if position is None
+                    else f'{size / (1 << 20):.0f} MB of memory after {position + 1} tokens')
             raise GrammarCompileError(
                 f'matching the {self._describe(job)} took {took} of a probe, more than the limit of '
-                f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the '
-                f'engine keeps a matcher per guided request and copies it for every draft window. Simplify the '
-                f'schema; an object with thousands of optional properties is the usual cause (list them as '
-                f'required, or split the object)')
+                f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the engine keeps a matcher per guided request '
+                f'and copies it for every draft window. Simplify the schema; an object with thousands of optional '
+                f'properties is the usual cause (list them as required, or split the object)')
         _, payload, seconds, size = reply
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)

@@ -29,12 +29,11 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
     """
     from .compile import (
         COMPILE_TIMEOUT_ENV,
-        DEFAULT_MASK_LIMIT_MS,
-        DEFAULT_MATCHER_LIMIT_MB,
         MASK_LIMIT_ENV,
         MATCHER_LIMIT_ENV,
+        mask_limit_ms_from_env,
+        matcher_limit_mb_from_env,
     )
-    from .env import positive_from_env
     from .forced import DRAFT_MASKS_ENV, FORCED_DRAFTS_ENV, draft_masks_from_env, forced_drafts_from_env
     from .guess import GUESS_DRAFTS_ENV, guess_sources_from_env
     from .worker import SWITCH_INTERVAL_ENV, switch_interval_from_env
@@ -42,10 +41,10 @@ def grammar_settings(compile_timeout_s: float | None = None) -> dict[str, str]:
         compile_service = 'off (grammars compile in the model agent)'
     else:
         compile_service = f'a child process, limit {compile_timeout_s:g} s ({COMPILE_TIMEOUT_ENV})'
-        for name, default, unit, what in ((MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, 'ms', 'token masks'),
-                                          (MATCHER_LIMIT_ENV, DEFAULT_MATCHER_LIMIT_MB, 'MB', 'matchers')):
+        for name, read, unit, what in ((MASK_LIMIT_ENV, mask_limit_ms_from_env, 'ms', 'token masks'),
+                                       (MATCHER_LIMIT_ENV, matcher_limit_mb_from_env, 'MB', 'matchers')):
             try:
-                value = positive_from_env(name, default)
+                value = read()
                 limit = 'unlimited' if value == float('inf') else f'up to {value:g} {unit}'
             except ValueError as err:
                 limit = f'invalid ({err})'

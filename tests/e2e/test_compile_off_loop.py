@@ -15,6 +15,8 @@ from e2e_helpers import ENGINE_KWARGS, PROMPTS, check_valid, gen_config, generat
 
 from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV
 
+from grammars import wide_object
+
 LIMIT_S = 3
 # the schema past the limit: 16,000 optional properties compile in 15 s on a 2-core EPYC that compiles 300 in 0.05 s
 # (and 8,000 in 4 s, which once was the slow schema here and fit a 6 s limit on a faster machine). The limit stays
@@ -25,12 +27,6 @@ SLOW_PROPERTIES = 16000
 # milliseconds; the margin is for the entry checks, which parse the whole grammar in Python threads, and for a
 # loaded machine
 MAX_GAP_S = 6
-
-
-def _wide_schema(n: int) -> dict:
-    """An object of ``n`` optional integer properties: compile time grows faster than ``n``."""
-    return {'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(n)},
-            'additionalProperties': False}
 
 
 def _fmt(schema: dict) -> dict:
@@ -92,7 +88,7 @@ def _while_streaming(pipe, prompts, configs):
 
 
 def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
-    fits, too_slow, small = _fmt(_wide_schema(300)), _fmt(_wide_schema(SLOW_PROPERTIES)), response_format('json_schema')
+    fits, too_slow, small = _fmt(wide_object(300)), _fmt(wide_object(SLOW_PROPERTIES)), response_format('json_schema')
     outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24),
                                                                      gen_config(too_slow), gen_config(small)])
     # the grammar past the limit fails its own request, and says why and what to change
@@ -123,7 +119,7 @@ def test_structural_tags_compile_off_the_loop(limited_pipe):
     for _ in range(300):
         deep = {'type': 'object', 'properties': {'a': deep}}
     small = response_format('json_schema')['json_schema']['schema']
-    formats = [_tag(_wide_schema(300)), _tag(_wide_schema(SLOW_PROPERTIES)), _tag(small), _tag(deep)]
+    formats = [_tag(wide_object(300)), _tag(wide_object(SLOW_PROPERTIES)), _tag(small), _tag(deep)]
     outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:4], [gen_config(fmt, max_new_tokens=96)
                                                                      for fmt in formats])
     assert outputs[0].finish_reason in ('stop', 'length') and outputs[0].text.startswith('<call>{'), outputs[0]
@@ -148,7 +144,7 @@ def test_compiled_grammars_are_kept_in_bounded_caches(limited_pipe):
     assert 0 < mgr.compiler.cache_limit_bytes <= 1 << 30
     service = mgr.compile_service
     assert service is not None and 0 < service.cache_limit_bytes <= 1 << 30
-    schema = _fmt(_wide_schema(200))
+    schema = _fmt(wide_object(200))
     generate(limited_pipe, PROMPTS[:1], [gen_config(schema, max_new_tokens=8)])
     kind, source, options = mgr.compile_args(schema)
     grammar = service.lookup(kind, source, **options)

@@ -16,6 +16,8 @@ import pytest
 import server_traffic as traffic
 from e2e_helpers import PERSON, check_valid, response_format, start_server, stop_server
 
+from grammars import wide_object
+
 ROUNDS = 3
 CONCURRENT = 32
 DISCONNECTS = 20
@@ -87,9 +89,7 @@ def test_hostile_requests(server):
     # an object of 3,000 optional properties: xgrammar's matcher holds about 0.1 GB once it has read a key, and as
     # much again for each fork (8,000 properties: 1.9 GB each; one request took the engine past 8 GB). Refused
     # with the memory and the limit, and the server's memory stays where it was
-    wide = {'type': 'json_schema', 'json_schema': {'name': 'wide', 'schema': {
-        'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(3000)},
-        'additionalProperties': False}}}
+    wide = {'type': 'json_schema', 'json_schema': {'name': 'wide', 'schema': wide_object(3000)}}
     before = traffic.resident_mb(proc.pid)
     _refused(client, model, messages, wide, 'MB of memory after')
     assert traffic.resident_mb(proc.pid) < before + 100, (before, traffic.resident_mb(proc.pid))

@@ -24,6 +24,8 @@ from lmdeploy_guided_spec.compile import (
 )
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
+from grammars import wide_object
+
 pytestmark = pytest.mark.unit
 
 VOCAB = TOKENIZERS['llama3'].model_vocab_size
@@ -288,20 +290,15 @@ def test_the_cost_of_a_grammar():
     slow = grammar_cost(compiler.compile_regex(SLOW_REGEX), limit_s=0.05)
     assert slow.seconds > 0.05 and slow.position <= 2
     # the matcher of a wide object of optional properties grows by hundreds of MB once it has read a key
-    wide = grammar_cost(compiler.compile_json_schema(json.dumps(_wide(3000))))
+    wide = grammar_cost(compiler.compile_json_schema(json.dumps(wide_object(3000))))
     assert wide.state_bytes > 128 << 20 and wide.state_position >= 2, wide
     # also in an array after a free string: the walk is steered out of the string and into the object (a random
     # walk wrote the string for all its tokens, or closed the object at once)
-    nested = {'type': 'object', 'properties': {'title': {'type': 'string'}, 'rows': {'type': 'array', 'items': _wide(
-        3000)}}, 'required': ['title', 'rows']}
+    rows = {'type': 'array', 'items': wide_object(3000)}
+    nested = {'type': 'object', 'properties': {'title': {'type': 'string'}, 'rows': rows},
+              'required': ['title', 'rows']}
     deep = grammar_cost(compiler.compile_json_schema(json.dumps(nested)))
     assert deep.state_bytes > 128 << 20, deep
-
-
-def _wide(n: int) -> dict:
-    """An object of ``n`` optional properties: xgrammar's matcher holds about n**3 bytes after the first key."""
-    return {'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(n)},
-            'additionalProperties': False}
 
 
 def test_a_grammar_whose_matcher_grows_huge_fails_with_the_reason():
@@ -313,21 +310,21 @@ def test_a_grammar_whose_matcher_grows_huge_fails_with_the_reason():
         assert svc.matcher_limit_mb == 64
         with pytest.raises(GrammarCompileError, match=r'matching the json_schema grammar .* took \d+ MB of memory '
                            r'after \d+ tokens of a probe, more than the limit of 64 MB') as info:
-            svc.submit('json_schema', _wide(3000)).result(timeout=120)
+            svc.submit('json_schema', wide_object(3000)).result(timeout=120)
         assert MATCHER_LIMIT_ENV in str(info.value) and 'optional properties' in str(info.value)
         # one accept of a key of 6,000 optional properties allocates about 0.8 GB at once: the child's memory is
         # capped while it probes, so the allocation fails there instead of taking the machine's memory
         with pytest.raises(GrammarCompileError, match=r'took more than 384 MB of memory within 16 tokens of a probe, '
                            r'more than the limit of 64 MB'):
-            svc.submit('json_schema', _wide(6000)).result(timeout=120)
-        assert svc.submit('json_schema', _wide(300)).result(timeout=60) is not None
+            svc.submit('json_schema', wide_object(6000)).result(timeout=120)
+        assert svc.submit('json_schema', wide_object(300)).result(timeout=60) is not None
         for kind, source, options, text in CASES:
             grammar = svc.submit(kind, source, **options).result(timeout=60)
             assert _same_masks(grammar, _reference(kind, source, options), text)
     # an infinite limit turns the check off
     with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1,
                                matcher_limit_mb=float('inf')) as svc:
-        assert svc.submit('json_schema', _wide(3000)).result(timeout=120) is not None
+        assert svc.submit('json_schema', wide_object(3000)).result(timeout=120) is not None
 
 
 def test_a_bad_mask_limit_variable_is_named(monkeypatch):

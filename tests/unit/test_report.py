@@ -43,7 +43,7 @@ def test_the_startup_line_follows_the_environment(monkeypatch):
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB', 'inf')
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS', 'slow')
     line = startup_message('0.18.0', 'eagle3', 3, compile_timeout_s=5)
-    assert ("token masks invalid (LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS='slow' is not a number) "
+    assert ("token masks invalid (LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS='slow' is not a number of milliseconds) "
             '(LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS), matchers unlimited (LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB)') in line
     monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS', '0.2')
     assert startup_message('0.18.0').endswith('switch interval: 0.2 ms (LMDEPLOY_GUIDED_SPEC_SWITCH_INTERVAL_MS)')
