@@ -76,7 +76,7 @@ def _check_drafts_agree(directory, failing: str | None = None) -> int:
     """Every rank verified the same drafts at every step; a rank that drafted itself drafted exactly those; no rank
     logged a grammar error (the requests are valid: a grammar that rejects a committed token on any rank is out of
     step with rank 0's) other than those that say ``failing`` (requests meant to fail). Returns the number of
-    speculative steps."""
+    speculative steps. Call it while the engine is up."""
     # the last step of one rank may still be running when the last response has come back: wait until both ranks
     # logged the same number of steps and nothing more arrives
     deadline, previous = time.monotonic() + 30, None
@@ -113,13 +113,15 @@ def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     print(f'\n[tp=2 {method}] engine start-up {time.perf_counter() - start:.1f} s')
     try:
         outputs = generate(pipe, prompts, configs)
+        for out, ref, fmt in zip(outputs, reference, configs):
+            assert out.token_ids == ref.token_ids, (out.text, ref.text)
+            if out.finish_reason == 'stop':
+                check_valid(out.text, fmt.response_format)
+        # read while the engine is up: closing it ends the rank processes wherever they are, and a step that runs
+        # past the last response may then be logged by one rank and not the other
+        steps = _check_drafts_agree(tmp_path)
     finally:
         pipe.close()
-    for out, ref, fmt in zip(outputs, reference, configs):
-        assert out.token_ids == ref.token_ids, (out.text, ref.text)
-        if out.finish_reason == 'stop':
-            check_valid(out.text, fmt.response_format)
-    steps = _check_drafts_agree(tmp_path)
     print(f'[tp=2 {method}] {steps} speculative steps, drafts identical on both ranks')
 
 
@@ -146,6 +148,7 @@ def test_tp2_free_drafts_rank_that_does_not_sample_keeps_no_grammar(engines, tmp
         assert ranks.call_ranks(pipe, ranks.set_grammar_cleanup, False)[0]
         outputs = generate(pipe, prompts, configs)
         state = ranks.call_ranks(pipe, ranks.grammar_state)
+        steps = _check_drafts_agree(tmp_path)  # while the engine is up, as above
     finally:
         pipe.close()
     for out, ref in zip(outputs, reference):
@@ -157,7 +160,6 @@ def test_tp2_free_drafts_rank_that_does_not_sample_keeps_no_grammar(engines, tmp
     drafting_agent = 'BaseSpecModelAgent' if lmdeploy_version.startswith('0.14.') else 'SpecModelAgent'
     assert state[1]['spec_agent'] == drafting_agent, state
     assert state[1]['matchers'] == [] and state[1]['windows'] == 0, state
-    steps = _check_drafts_agree(tmp_path)
     print(f'\n[tp=2 free drafts] {steps} speculative steps, drafts identical on both ranks; rank state {state}')
 
 
