@@ -21,10 +21,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import json
 import logging
 import multiprocessing.connection
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -99,11 +101,13 @@ KINDS = {
 # A plain interpreter, not multiprocessing's spawn: spawn re-imports the parent's ``__main__`` in the child, which
 # re-runs a user's script without a main guard; fork would copy CUDA state and held locks.
 _CHILD_CODE = ('import sys; from lmdeploy_guided_spec.compile import _child_main; '
-               '_child_main(int(sys.argv[1]), int(sys.argv[2]))')
+               '_child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))')
 
 # starting a child imports xgrammar and reads the tokenizer info (a few seconds on a loaded machine at most);
 # this is not the compile limit, only a guard against a child that never comes up
 _STARTUP_TIMEOUT_S = 120.0
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) -> list[int]:
@@ -338,8 +342,23 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, optio
     return compiler.compile_grammar(source, **options)
 
 
-def _child_main(fd: int, max_threads: int) -> None:
+def _end_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux's ``PR_SET_PDEATHSIG``). A parent that dies
+    (the OOM killer, a crash, ``kill -9``) closes the socket, but a child inside a compile reads it only when the
+    compile ends, which can be minutes, holding its memory all along. Unlike a watching thread this works while
+    xgrammar holds the GIL. (The kernel acts when the parent's *thread* that started the child ends: the service's
+    threads that start children live until it closes, and closing kills the children anyway.)"""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (AttributeError, OSError):  # not Linux: the socket's EOF after the compile ends the child
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call
+        os._exit(0)
+
+
+def _child_main(fd: int, max_threads: int, parent_pid: int) -> None:
     """Body of the compiler process: compile what the parent sends over socket ``fd`` until it closes."""
+    _end_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     try:
         info = xgr.TokenizerInfo.deserialize_json(conn.recv())
@@ -411,7 +430,7 @@ class _Child:
         env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads)],
+                [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads), str(os.getpid())],
                 pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
         finally:
             # only the child holds its end now, so a dead child shows up as EOF here

@@ -1,8 +1,13 @@
 """GrammarCompileService: compiles in a killable child process, with a time limit and a bounded cache, and the
 caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgrammar."""
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +206,49 @@ def test_a_crashed_child_fails_its_compile_and_is_replaced(service):
     with pytest.raises(GrammarCompilerUnavailable, match='died'):
         future.result(timeout=30)
     assert service.submit('regex', 'after-crash[0-9]').result(timeout=60) is not None
+
+
+_HOST = """
+import sys, time
+from lmdeploy_guided_spec.compile import GrammarCompileService
+from lmdeploy_guided_spec.testing import tokenizer_info
+svc = GrammarCompileService(tokenizer_info('llama3'), timeout_s=600)
+n = int(sys.argv[1])  # as _slow_schema
+future = svc.submit('json_schema', {'type': 'string', 'enum': [f'value_{i}_{i * 7919 % 100_003}' for i in range(n)]})
+while not future.running():
+    time.sleep(0.01)
+print(svc._children[0].process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_compiler_process_ends_with_the_process_it_serves():
+    """An engine process that dies (the OOM killer, a crash, ``kill -9``) while a long compile runs: its compiler
+    process ends with it, and does not compile on for as long as the grammar takes, holding its memory."""
+    host = subprocess.Popen([sys.executable, '-c', _HOST, '100003'], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        child = int(host.stdout.readline())
+        time.sleep(1)  # compiling
+        assert _alive(child)
+    finally:
+        host.kill()
+        host.wait()
+    deadline = time.monotonic() + 3
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, 'the compiler process went on compiling after the process it served died'
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != 'Z'
 
 
 def test_repeats_and_duplicates_cost_nothing(service):
