@@ -7,9 +7,11 @@ greedy and sampling batches stopped the engine (1); a schema without instances w
 string schema is refused before the engine (7); raw logprobs of guided requests were -inf, HTTP 500 (8).
 """
 import asyncio
+import concurrent.futures
 import json
 import math
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -72,6 +74,22 @@ def test_hostile_requests(server):
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=model, messages=messages, response_format=as_string, max_tokens=96)
     assert 400 <= refused.value.status_code < 500
+    # ... also when the string holds a grammar that takes long to parse (xgrammar's conversion of this pattern takes
+    # about 18 s): the refusal parses no grammar, and the server answers the others meanwhile (the handler of
+    # refused requests once ran the whole entry check on the event loop: every client waited 22 s)
+    slow = {'type': 'json_schema', 'json_schema': {'name': 'slow', 'schema': json.dumps(
+        {'type': 'string', 'pattern': '^[a-z]{1,20000}$'})}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.perf_counter()
+        sent = pool.submit(client.chat.completions.create, model=model, messages=messages, response_format=slow,
+                           max_tokens=8)
+        time.sleep(0.2)
+        with urllib.request.urlopen(f'{base}/v1/models', timeout=300) as answer:
+            answer.read()
+        beside = time.perf_counter() - start
+        with pytest.raises(openai.BadRequestError, match='valid dictionary'):
+            sent.result()
+    assert time.perf_counter() - start < 3 and beside < 3, (time.perf_counter() - start, beside)
     # a schema of 400 nested objects: refused at once with the limit (its entry check took 46 s, then lmdeploy's copy
     # of the request failed)
     deep = {'type': 'string'}
