@@ -349,8 +349,14 @@ def _end_with_parent(parent_pid: int) -> None:
     xgrammar holds the GIL. (The kernel acts when the parent's *thread* that started the child ends: the service's
     threads that start children live until it closes, and closing kills the children anyway.)"""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (AttributeError, OSError):  # not Linux: the socket's EOF after the compile ends the child
+        return
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning('the grammar compiler process cannot end with its parent (prctl: %s); after an engine '
+                       'death it ends when its compile does', os.strerror(ctypes.get_errno()))
         return
     if os.getppid() != parent_pid:  # the parent died before the call
         os._exit(0)

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import math
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -90,6 +91,14 @@ def test_hostile_requests(server):
         with pytest.raises(openai.BadRequestError, match='valid dictionary'):
             sent.result()
     assert time.perf_counter() - start < 3 and beside < 3, (time.perf_counter() - start, beside)
+    # refused bodies whose shape the check names: HTTP 400, never a server error
+    for odd in ({'type': 'json_schema', 'whitespace': 'tabs'}, {'type': 'json_schema', 'regex_schema': 5},
+                {'type': 'json_object', 'whitespace': ['compact']}, {'type': 'nonsense'}):
+        body = json.dumps({'model': model, 'messages': messages, 'max_tokens': 8, 'response_format': odd}).encode()
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(urllib.request.Request(f'{base}/v1/chat/completions', body,
+                                                          {'Content-Type': 'application/json'}), timeout=60)
+        assert answer.value.code == 400, (odd, answer.value.code, answer.value.read()[:300])
     # a schema of 400 nested objects: refused at once with the limit (its entry check took 46 s, then lmdeploy's copy
     # of the request failed)
     deep = {'type': 'string'}
