@@ -77,7 +77,6 @@ PROBE_WALKS = 3
 PROBE_BUDGET_S = 2.0
 
 
-
 def mask_limit_ms_from_env() -> float:
     """``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else :data:`DEFAULT_MASK_LIMIT_MS`; ``ValueError`` naming it."""
     return positive_from_env(MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')

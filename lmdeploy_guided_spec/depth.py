@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from .env import positive_from_env
+from .env import positive_from_env, warn_bad_setting_once
 
 __all__ = ['DEFAULT_MAX_DEPTH', 'MAX_DEPTH_ENV', 'depth_error', 'max_depth', 'nesting_depth']
 
@@ -157,16 +157,11 @@ def _tag_schemas(tag: dict) -> list:
     return schemas
 
 
-_warned: set[str] = set()
-
-
 def _limit() -> int:
     """:func:`max_depth`; a malformed variable is the server's setting, not the request's fault: it is logged once
     and the default applies."""
     try:
         return max_depth()
     except ValueError as err:
-        if str(err) not in _warned:
-            _warned.add(str(err))
-            logging.getLogger(__name__).warning('%s; using the default, %d', err, DEFAULT_MAX_DEPTH)
+        warn_bad_setting_once(logging.getLogger(__name__), f'{err}; using the default, {DEFAULT_MAX_DEPTH}')
         return DEFAULT_MAX_DEPTH

@@ -2,11 +2,12 @@
 ``ValueError`` naming it. Imports nothing heavy: the API process reads settings before the engine exists."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ['positive_from_env']
+__all__ = ['positive_from_env', 'warn_bad_setting_once']
 
 T = TypeVar('T', int, float)
 
@@ -24,3 +25,14 @@ def positive_from_env(name: str, default: T, *, parse: Callable[[str], T] = floa
     if not value > 0:
         raise ValueError(f'{name}={raw!r} must be positive ({kind})')
     return value
+
+
+# the bad settings already logged in this process: every engine, rank and pipeline reads them again
+_WARNED: set[str] = set()
+
+
+def warn_bad_setting_once(logger: logging.Logger, message: str) -> None:
+    """Log ``message`` (a malformed environment variable and what applies instead) once per process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)

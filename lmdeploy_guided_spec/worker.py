@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .env import warn_bad_setting_once
+
 __all__ = ['GrammarWorker', 'SWITCH_INTERVAL_ENV', 'switch_interval_from_env']
 
 logger = logging.getLogger('lmdeploy_guided_spec')
@@ -49,19 +51,13 @@ def switch_interval_from_env() -> float | None:
     return ms / 1000.0
 
 
-# bad values of the variable already logged in this process: every engine, rank and pipeline starts a worker
-_LOGGED_BAD: set[str] = set()
-
-
 def _apply_switch_interval() -> None:
     """Set the process's switch interval from the environment (once a worker thread starts); a bad value is logged
     (once per process and value) and Python's interval stays."""
     try:
         seconds = switch_interval_from_env()
     except ValueError as err:
-        if str(err) not in _LOGGED_BAD:
-            _LOGGED_BAD.add(str(err))
-            logger.warning(f'{err}; the switch interval stays {sys.getswitchinterval() * 1e3:g} ms')
+        warn_bad_setting_once(logger, f'{err}; the switch interval stays {sys.getswitchinterval() * 1e3:g} ms')
         return
     if seconds is not None and seconds != sys.getswitchinterval():
         sys.setswitchinterval(seconds)

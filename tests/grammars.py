@@ -88,11 +88,14 @@ REGEX_INSTANCES = {
 }
 
 
-def wide_object(n: int) -> dict:
-    """An object of ``n`` optional integer properties: xgrammar's compile time grows faster than ``n``, and its
-    matcher holds about ``n**3`` bytes once it has read a key (3,000: about 0.1 GB; 8,000: 1.9 GB)."""
-    return {'type': 'object', 'properties': {f'field_{i}': {'type': 'integer'} for i in range(n)},
-            'additionalProperties': False}
+def wide_object(n: int, *, required: bool = False, prefix: str = 'field') -> dict:
+    """An object of ``n`` integer properties named ``<prefix>_<i>``: xgrammar's compile time grows faster than
+    ``n``. Optional, its matcher holds about ``n**3`` bytes once it has read a key (3,000: about 0.1 GB; 8,000:
+    1.9 GB); ``required``, it stays small (6,000: 1 MB)."""
+    names = [f'{prefix}_{i}' for i in range(n)]
+    schema = {'type': 'object', 'properties': {name: {'type': 'integer'} for name in names},
+              'additionalProperties': False}
+    return {**schema, 'required': names} if required else schema
 
 
 def dumps(instance) -> str:

@@ -155,22 +155,16 @@ def test_compiled_grammars_are_kept_in_bounded_caches(limited_pipe):
     assert service.lookup(kind, source, **options) is grammar
 
 
-def _required(n: int, tag: str) -> dict:
-    # an object of n required properties: slow to compile (6,000: about 5 s through the compile service on a 2-core
-    # machine) and its matcher stays small (1 MB; an enum of 24,000 strings, as slow, took 40-56 MB of the 64 MB
-    # limit, and the probe's reading of it once went past). The tag keeps it out of the compile cache of earlier tests
-    names = [f'{tag}_{i}' for i in range(n)]
-    return _fmt({'type': 'object', 'properties': {name: {'type': 'integer'} for name in names}, 'required': names})
-
-
 def test_a_request_stopped_while_its_grammar_compiles_leaves_nothing(engines):
     """A client that gives up while its request waits for its grammar (a streamed request whose connection closes,
     a cancelled task): the engine stops waiting for the grammar, the request never runs once the compile ends, and
     no grammar state is left for its session. The grammar stays compiled: the same schema is served at once next."""
     pipe = engines('tiny-llama')
     engine = pipe.async_engine.engine
-    # about 5 s of entry check and compile here: long enough to stop the request meanwhile, far from the 30 s limit
-    fmt = _required(6_000, 'stopped')
+    # required properties: about 5 s of entry check and compile here, long enough to stop the request meanwhile and
+    # far from the 30 s limit, and a matcher of 1 MB (an enum of 24,000 strings, as slow, took 40-56 MB of the 64 MB
+    # limit, and the probe's reading of it once went past). The prefix keeps it out of the cache of earlier tests
+    fmt = _fmt(wide_object(6_000, required=True, prefix='stopped'))
     session_id = 987_001
     outputs = []
 

@@ -214,8 +214,7 @@ import sys, time
 from lmdeploy_guided_spec.compile import GrammarCompileService
 from lmdeploy_guided_spec.testing import tokenizer_info
 svc = GrammarCompileService(tokenizer_info('llama3'), timeout_s=600)
-n = int(sys.argv[1])  # as _slow_schema
-future = svc.submit('json_schema', {'type': 'string', 'enum': [f'value_{i}_{i * 7919 % 100_003}' for i in range(n)]})
+future = svc.submit('json_schema', sys.stdin.read())  # the schema, as JSON
 deadline = time.monotonic() + 120
 while not (future.running() or future.done()) and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -229,8 +228,10 @@ time.sleep(600)
 def test_a_compiler_process_ends_with_the_process_it_serves():
     """An engine process that dies (the OOM killer, a crash, ``kill -9``) while a long compile runs: its compiler
     process ends with it, and does not compile on for as long as the grammar takes, holding its memory."""
-    host = subprocess.Popen([sys.executable, '-c', _HOST, '100003'], stdout=subprocess.PIPE, text=True)
+    host = subprocess.Popen([sys.executable, '-c', _HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        host.stdin.write(json.dumps(_slow_schema(100_003)))
+        host.stdin.close()
         ready, _, _ = select.select([host.stdout], [], [], 180)
         assert ready, 'the host process did not start compiling'
         line = host.stdout.readline().strip()
