@@ -29,6 +29,7 @@ _EXPORTS = {
     'unenforced_keywords': 'unenforced',
     'depth_error': 'depth',
     'GrammarCompileService': 'compile',
+    'grammar_is_empty': 'compile',
     'SpecGrammarManager': 'manager',
     'SpecCounts': 'report',
     'startup_message': 'report',

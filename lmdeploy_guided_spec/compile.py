@@ -18,10 +18,12 @@ so a repeated schema costs nothing.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import multiprocessing.connection
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,7 +47,8 @@ from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarComp
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
     'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
-    'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env'
+    'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
+    'compile_timeout_s_from_env', 'grammar_is_empty'
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,6 +81,11 @@ PROBE_WALKS = 3
 PROBE_BUDGET_S = 2.0
 
 
+def compile_timeout_s_from_env() -> float:
+    """``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT``, else :data:`DEFAULT_COMPILE_TIMEOUT_S`; ``ValueError`` naming it."""
+    return positive_from_env(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, kind='a number of seconds')
+
+
 def mask_limit_ms_from_env() -> float:
     """``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else :data:`DEFAULT_MASK_LIMIT_MS`; ``ValueError`` naming it."""
     return positive_from_env(MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
@@ -107,6 +116,9 @@ _CHILD_CODE = ('import sys; from lmdeploy_guided_spec.compile import _child_main
 _STARTUP_TIMEOUT_S = 120.0
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# answers of checks a service keeps (a digest and a bool or an error each)
+_CHECKED_ENTRIES = 4096
 
 
 def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) -> list[int]:
@@ -341,6 +353,30 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, optio
     return compiler.compile_grammar(source, **options)
 
 
+def _parse(kind: str, source: str | None, options: dict) -> xgr.Grammar:
+    """The grammar of a source as xgrammar reads it, without a tokenizer (what a check parses)."""
+    if kind == 'json_schema':
+        return xgr.Grammar.from_json_schema(source, **options)
+    if kind == 'regex':
+        return xgr.Grammar.from_regex(source)
+    if kind == 'builtin_json':
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == 'structural_tag':
+        return xgr.Grammar.from_structural_tag(source)
+    return xgr.Grammar.from_ebnf(source, **options)
+
+
+def _check(kind: str, source: str | None, options: dict) -> tuple:
+    """The reply of the compiler process to a check: ``('checked', empty)`` or why the source does not parse."""
+    from .language import language_is_empty
+    try:
+        return ('checked', language_is_empty(_parse(kind, source, options)))
+    except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
+        return ('error', xgrammar_reason(exc))
+    except Exception as exc:  # a fault of this package or of xgrammar, not of the source
+        return ('internal', f'{type(exc).__name__}: {exc}'.strip())
+
+
 def _end_with_parent(parent_pid: int) -> None:
     """Have the kernel kill this process when its parent dies (Linux's ``PR_SET_PDEATHSIG``). A parent that dies
     (the OOM killer, a crash, ``kill -9``) closes the socket, but a child inside a compile reads it only when the
@@ -362,16 +398,19 @@ def _end_with_parent(parent_pid: int) -> None:
 
 
 def _child_main(fd: int, max_threads: int, parent_pid: int) -> None:
-    """Body of the compiler process: compile what the parent sends over socket ``fd`` until it closes."""
+    """Body of the compiler process: compile and check what the parent sends over socket ``fd`` until it closes."""
     _end_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     try:
-        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+        info_json = conn.recv()
     except (EOFError, OSError):
         return
-    # the parent keeps the cache; a child may be killed any time and its cache would only grow
-    compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-    kinds = probe_tokens(info)
+    compiler = kinds = None
+    if info_json is not None:  # None: a checker, which parses grammars without a tokenizer
+        info = xgr.TokenizerInfo.deserialize_json(info_json)
+        # the parent keeps the cache; a child may be killed any time and its cache would only grow
+        compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        kinds = probe_tokens(info)
     conn.send(('ready',))
     while True:
         try:
@@ -380,6 +419,9 @@ def _child_main(fd: int, max_threads: int, parent_pid: int) -> None:
             return
         if message is None:
             return
+        if message[0] == 'check':
+            conn.send(_check(*message[1:]))
+            continue
         kind, source, options, transfer_limit, mask_limit_s, state_limit_bytes = message
         start = time.perf_counter()
         try:
@@ -422,12 +464,14 @@ class _Job:
     source: str | None
     options: dict
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    #: a check (:meth:`GrammarCompileService.check`), with its time limit, rather than a compile
+    check_timeout_s: float | None = None
 
 
 class _Child:
     """One compiler process and the parent's end of its socket."""
 
-    def __init__(self, tokenizer_info_json: str, max_threads: int):
+    def __init__(self, tokenizer_info_json: str | None, max_threads: int):
         parent_sock, child_sock = socket.socketpair()
         self._info_json = tokenizer_info_json
         env = dict(os.environ)
@@ -444,7 +488,7 @@ class _Child:
         self.ready = False
 
     def wait_ready(self) -> None:
-        """Hand the child its tokenizer and wait until it can compile."""
+        """Hand the child its tokenizer (None: it checks only) and wait until it can compile."""
         try:
             self.conn.send(self._info_json)
             if self.conn.poll(_STARTUP_TIMEOUT_S):
@@ -473,11 +517,13 @@ class GrammarCompileService:
 
     Parameters
     ----------
-    tokenizer_info : xgrammar.TokenizerInfo or str
-        The tokenizer the grammars are for, or its ``serialize_json()`` string.
+    tokenizer_info : xgrammar.TokenizerInfo or str or None
+        The tokenizer the grammars are for, or its ``serialize_json()`` string. None makes a checker: a service
+        that only checks grammar sources with :meth:`check` (what a serving process needs before it hands a
+        request on).
     timeout_s : float, optional
-        Longest a single compile may run (in the child, queueing not counted). Defaults to the environment
-        variable ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT`` (seconds), else 30.
+        Longest a single compile or check may run (in the child, queueing not counted). Defaults to the
+        environment variable ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT`` (seconds), else 30.
     mask_limit_ms : float, optional
         Most a token of a compiled grammar (its mask and its accept) may cost along a probe of its first
         :data:`PROBE_TOKENS` positions (:func:`grammar_cost`, in the child after the compile); a slower grammar
@@ -510,18 +556,19 @@ class GrammarCompileService:
     :class:`GrammarCompilerUnavailable` when the child died or the service was closed.
     """
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo | str, *, timeout_s: float | None = None,
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo | str | None, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
                  transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None,
                  matcher_limit_mb: float | None = None):
-        if isinstance(tokenizer_info, str):
+        if tokenizer_info is None:
+            self._info = self._info_json = None
+        elif isinstance(tokenizer_info, str):
             self._info_json = tokenizer_info
             self._info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
         else:
             self._info = tokenizer_info
             self._info_json = tokenizer_info.serialize_json()
-        self.timeout_s = float(timeout_s) if timeout_s is not None else positive_from_env(
-            COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT_S, kind='a number of seconds')
+        self.timeout_s = float(timeout_s) if timeout_s is not None else compile_timeout_s_from_env()
         if not self.timeout_s > 0:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
         self.mask_limit_ms = float(mask_limit_ms) if mask_limit_ms is not None else mask_limit_ms_from_env()
@@ -541,7 +588,10 @@ class GrammarCompileService:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
-        self._inflight: dict[tuple, concurrent.futures.Future] = {}
+        # answers of checks, by a digest of what was checked (sources can be megabytes): whether the language is
+        # empty, or why the source does not parse
+        self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError] = collections.OrderedDict()
+        self._inflight: dict[tuple | bytes, concurrent.futures.Future] = {}
         # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
         # first takes a job only while all before it are busy, so its process starts only when compiles overlap
         # (each costs about 240 MB, most of it torch)
@@ -559,8 +609,8 @@ class GrammarCompileService:
     # -- public API --------------------------------------------------------------------------------------------
 
     @property
-    def tokenizer_info(self) -> xgr.TokenizerInfo:
-        """The tokenizer info compiled grammars belong to."""
+    def tokenizer_info(self) -> xgr.TokenizerInfo | None:
+        """The tokenizer info compiled grammars belong to (None for a checker)."""
         return self._info
 
     @property
@@ -603,27 +653,48 @@ class GrammarCompileService:
             An option the kind does not take.
         GrammarCompilerUnavailable
             The service is closed.
+        RuntimeError
+            The service is a checker (it has no tokenizer).
         """
+        if self._info is None:
+            raise RuntimeError('this grammar service has no tokenizer: it checks grammars, it does not compile them')
         kind, source, options = self._normalize(kind, source, options)
         key = (kind, source, json.dumps(options, sort_keys=True))
-        with self._lock:
-            if self._closed:
-                raise GrammarCompilerUnavailable('the grammar compile service is closed')
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                future = concurrent.futures.Future()
-                future.set_result(cached[0])
-                return future
-            inflight = self._inflight.get(key)
-            if inflight is not None:
-                return inflight
-            job = _Job(key, kind, source, options)
-            self._inflight[key] = job.future
-        with self._gate:
-            self._jobs.append(job)
-            self._gate.notify_all()
-        return job.future
+        return self._start(key, self._cache, lambda cached: cached[0], lambda: _Job(key, kind, source, options))
+
+    def check(self, kind: str, source: str | dict | None = None, *, timeout_s: float | None = None,
+              **options: Any) -> concurrent.futures.Future:
+        """Start checking a grammar source and return a future of whether its language is empty, at once.
+
+        The compiler process parses the source as xgrammar does without a tokenizer (``Grammar.from_json_schema``,
+        ``from_regex``, ...; some take minutes: the conversion of a pattern ``^[a-z]{1,20000}$`` takes about 18 s)
+        and runs :func:`~lmdeploy_guided_spec.language.language_is_empty` on it, under the time limit. The thread that
+        waits holds no lock xgrammar needs, so a serving process that checks many requests keeps answering others.
+
+        Parameters
+        ----------
+        kind, source, **options
+            As :meth:`submit`.
+        timeout_s : float, optional
+            The limit of this check; defaults to the service's ``timeout_s``.
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Of True when the grammar derives no string (a ``$ref`` to itself, say), False when it does. It fails
+            with :class:`GrammarCompileError` (``reason``: xgrammar's, without its log prefix) for a source that
+            does not parse, :class:`GrammarCompileTimeout` past the limit, :class:`GrammarCompilerUnavailable` when
+            the process died or the service closed. Answers are cached (not timeouts), and a check of the same
+            source in flight is shared.
+        """
+        kind, source, options = self._normalize(kind, source, options)
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not limit > 0:
+            raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
+        key = hashlib.blake2b(json.dumps(['check', kind, source, options], sort_keys=True).encode(),
+                              digest_size=16).digest()
+        return self._start(key, self._checked, lambda known: known,
+                           lambda: _Job(key, kind, source, options, check_timeout_s=limit))
 
     def lookup(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar | None:
         """The cached grammar, or None when it is not cached (never starts a compile).
@@ -631,6 +702,8 @@ class GrammarCompileService:
         An engine gates a request on :meth:`submit` and builds its matcher with this once the future is done; a
         grammar evicted in between is None, and the caller compiles it as it would without the service.
         """
+        if self._info is None:
+            return None
         kind, source, options = self._normalize(kind, source, options)
         key = (kind, source, json.dumps(options, sort_keys=True))
         with self._lock:
@@ -682,6 +755,32 @@ class GrammarCompileService:
             pass
 
     # -- internals ---------------------------------------------------------------------------------------------
+
+    def _start(self, key, answers: collections.OrderedDict, answer: Callable[[Any], Any],
+               job: Callable[[], _Job]) -> concurrent.futures.Future:
+        """The future of ``key``: done at once where ``answers`` holds it (``answer`` of the entry: a grammar, a
+        check's answer, or a :class:`GrammarCompileError` to raise), the job in flight for it, or a new ``job()``."""
+        with self._lock:
+            if self._closed:
+                raise GrammarCompilerUnavailable('the grammar compile service is closed')
+            known = answers.get(key)
+            if known is not None:
+                answers.move_to_end(key)
+                future, value = concurrent.futures.Future(), answer(known)
+                if isinstance(value, GrammarCompileError):  # a fresh one: an exception keeps its traceback
+                    future.set_exception(GrammarCompileError(str(value), reason=value.reason))
+                else:
+                    future.set_result(value)
+                return future
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                return inflight
+            new = job()
+            self._inflight[key] = new.future
+        with self._gate:
+            self._jobs.append(new)
+            self._gate.notify_all()
+        return new.future
 
     @staticmethod
     def _normalize(kind: str, source, options: dict) -> tuple[str, str | None, dict]:
@@ -736,11 +835,11 @@ class GrammarCompileService:
                 self._inflight.pop(job.key, None)
             return
         try:
-            grammar = self._run(slot, job)
+            result = self._run(slot, job)
         except BaseException as exc:  # every failure belongs to this job's future, the thread serves on
             self._finish(job, error=exc)
         else:
-            self._finish(job, grammar=grammar)
+            self._finish(job, result=result)
 
     def _child(self, slot: int) -> _Child:
         child = self._children[slot]
@@ -764,25 +863,35 @@ class GrammarCompileService:
     def _describe(self, job: _Job) -> str:
         return 'builtin JSON grammar' if job.source is None else f'{job.kind} grammar ({len(job.source):,} bytes)'
 
-    def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar:
+    def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
         child = self._child(slot)
+        checks = job.check_timeout_s is not None
         try:
-            child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes, self.mask_limit_ms / 1e3,
-                             self.matcher_limit_mb * (1 << 20)))
-            answered = child.conn.poll(self.timeout_s)
+            if checks:
+                child.conn.send(('check', job.kind, job.source, job.options))
+            else:
+                child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes,
+                                 self.mask_limit_ms / 1e3, self.matcher_limit_mb * (1 << 20)))
+            answered = child.conn.poll(job.check_timeout_s if checks else self.timeout_s)
             reply = child.conn.recv() if answered else None
         except (EOFError, OSError):
             code = self._drop_child(slot)
             if self._closed:
                 raise GrammarCompilerUnavailable('the grammar compile service was closed') from None
             raise GrammarCompilerUnavailable(
-                f'the grammar compiler process died (exit code {code}) while compiling a {self._describe(job)}; '
-                f'a fresh one starts with the next compile') from None
+                f'the grammar compiler process died (exit code {code}) while '
+                f'{"checking" if checks else "compiling"} a {self._describe(job)}; a fresh one starts with the next '
+                f'compile') from None
         if reply is None:
             self._drop_child(slot)
             raise GrammarCompileTimeout(
-                f'compiling a {self._describe(job)} took longer than {self.timeout_s:g} s and was stopped; raise '
-                f'the limit with the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+                f'{"checking" if checks else "compiling"} a {self._describe(job)} took longer than '
+                f'{job.check_timeout_s if checks else self.timeout_s:g} s and was stopped; raise the limit with the '
+                f'environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+        if reply[0] == 'checked':
+            return reply[1]
+        if reply[0] == 'error' and checks:
+            raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}', reason=reply[1])
         if reply[0] == 'error':
             raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}')
         if reply[0] == 'internal':
@@ -814,12 +923,16 @@ class GrammarCompileService:
             self._local = xgr.GrammarCompiler(self._info, max_threads=self.max_threads, cache_enabled=False)
         return _compile(self._local, job.kind, job.source, job.options)
 
-    def _finish(self, job: _Job, *, grammar: xgr.CompiledGrammar | None = None,
+    def _finish(self, job: _Job, *, result: xgr.CompiledGrammar | bool | None = None,
                 error: BaseException | None = None) -> None:
         with self._lock:
             self._inflight.pop(job.key, None)
-            if grammar is not None:
-                self._remember(job.key, grammar)
+            if job.check_timeout_s is not None and (error is None or isinstance(error, GrammarCompileError)):
+                self._checked[job.key] = result if error is None else error
+                while len(self._checked) > _CHECKED_ENTRIES:
+                    self._checked.popitem(last=False)
+            elif error is None:
+                self._remember(job.key, result)
         if job.future.done():
             return
         if not job.future.running() and not job.future.set_running_or_notify_cancel():
@@ -827,7 +940,7 @@ class GrammarCompileService:
         if error is not None:
             job.future.set_exception(error)
         else:
-            job.future.set_result(grammar)
+            job.future.set_result(result)
 
     def _remember(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
         size = grammar.memory_size_bytes
@@ -838,3 +951,46 @@ class GrammarCompileService:
         while self._cache_bytes > self.cache_limit_bytes:
             _, (_, evicted) = self._cache.popitem(last=False)
             self._cache_bytes -= evicted
+
+
+# the checker of this process (grammar_is_empty), and the pid it belongs to: a forked child starts its own
+_checker: GrammarCompileService | None = None
+_checker_pid: int | None = None
+_checker_lock = threading.Lock()
+# checkers a fork left behind: never closed (their threads and processes are the parent's), never collected
+_inherited: list[GrammarCompileService] = []
+
+
+def grammar_checker() -> GrammarCompileService:
+    """This process's checker (a :class:`GrammarCompileService` without a tokenizer), started on first use: a
+    server can call this at start-up, so that its first request does not wait for the checker process."""
+    global _checker, _checker_pid
+    with _checker_lock:
+        if _checker is None or _checker_pid != os.getpid():
+            if _checker is not None:
+                _inherited.append(_checker)
+            # limits of the checks come with each call (grammar_is_empty); a checker compiles nothing
+            _checker = GrammarCompileService(None, timeout_s=DEFAULT_COMPILE_TIMEOUT_S, cache_limit_bytes=0,
+                                             max_threads=1, max_workers=2, mask_limit_ms=float('inf'),
+                                             matcher_limit_mb=float('inf'))
+            _checker_pid = os.getpid()
+            atexit.register(_checker.close)
+        return _checker
+
+
+def grammar_is_empty(kind: str, source: str | dict | None = None, *, service: GrammarCompileService | None = None,
+                     **options: Any) -> bool:
+    """Parse a grammar source in a compiler process and say whether its language is empty, within a time limit.
+
+    The entry check of a request, before it reaches an engine: xgrammar's conversion of a source has no time limit
+    of its own and can take minutes, and a thread running it cannot be stopped. ``service`` (an engine's
+    :class:`GrammarCompileService`) checks under its own limit; without it, this process's checker
+    (:func:`grammar_checker`) checks under the compile limit, ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT``, read on each
+    call (a malformed value raises ``ValueError`` naming it). Other arguments as :meth:`GrammarCompileService.check`,
+    which says what it raises (:class:`GrammarCompileError` for a source that does not parse,
+    :class:`GrammarCompileTimeout` past the limit). Blocks: call it from a worker thread, never from an event loop.
+    """
+    if service is not None:
+        return service.check(kind, source, **options).result()
+    limit = compile_timeout_s_from_env()
+    return grammar_checker().check(kind, source, timeout_s=limit, **options).result()

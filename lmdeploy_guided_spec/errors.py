@@ -22,7 +22,15 @@ class GrammarRejectedError(GuidedSpecError):
 
 
 class GrammarCompileError(GuidedSpecError, ValueError):
-    """A grammar source (JSON schema, regex, EBNF) does not compile; the message carries xgrammar's."""
+    """A grammar source (JSON schema, regex, EBNF) does not compile; the message carries xgrammar's.
+
+    ``reason`` is the cause alone, as a client should read it (xgrammar's message without its log prefix, for a
+    source xgrammar refuses); the message also names the grammar.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class GrammarCompileTimeout(GuidedSpecError, TimeoutError):

@@ -225,3 +225,27 @@ def test_a_request_stopped_while_its_grammar_compiles_leaves_nothing(engines):
     matcher = xgr.GrammarMatcher(grammar)
     assert again.token_ids and all(matcher.accept_token(t) for t in again.token_ids), again
     assert time.perf_counter() - start < 10
+
+
+# xgrammar converts a pattern with a counted repetition in time that grows about as the square of the count: this
+# one takes over a minute on a 2-core machine (18 s for {1,20000}; bounds past 65,535 are converted at once)
+SLOW_TO_PARSE = {'type': 'object', 'properties': {'code': {'type': 'string', 'pattern': '^[a-z]{1,40000}$'}},
+                 'required': ['code']}
+
+
+def test_a_grammar_slow_to_parse_is_stopped_at_the_limit_and_fails_alone(limited_pipe, monkeypatch):
+    """The entry check of a request parsed its grammar in a thread of the serving process and again on one of the
+    engine's check threads, with no limit: this schema held both for over a minute each (and a few such requests
+    every check thread, so that each new guided request waited behind them). The check now runs in a compiler
+    process stopped at the compile limit, and the request fails alone with the reason."""
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(LIMIT_S))  # the limit of this process's checks
+    small = response_format('json_schema')
+    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:2], [gen_config(_fmt(SLOW_TO_PARSE)),
+                                                                     gen_config(small)])
+    assert outputs[0].finish_reason == 'error', outputs[0]
+    assert f'longer than {LIMIT_S} s' in outputs[0].text and COMPILE_TIMEOUT_ENV in outputs[0].text, outputs[0].text
+    assert outputs[1].finish_reason == 'stop', outputs[1]
+    check_valid(outputs[1].text, small)
+    # the limit, the start of a checker process and the other request; the check alone took over a minute before
+    assert took < 30, took
+    assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while the grammar was checked ({took:.1f} s)'

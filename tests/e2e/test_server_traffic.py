@@ -66,6 +66,16 @@ def test_hostile_requests(server):
     client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
     model = client.models.list().data[0].id
     messages = [{'role': 'user', 'content': 'A person, please.'}]
+    # a schema whose patterns xgrammar converts for minutes (about 75 s each here; the conversion grows as the
+    # square of the count): its entry check held a thread of the server for as long, beyond stopping. It is stopped
+    # at the compile limit (30 s) and refused with it, while the rest of this test is served meanwhile
+    patterns = {f'code{i}': {'type': 'string', 'pattern': f'^[a-z]{{1,{40_000 + i}}}$'} for i in range(3)}
+    slow_to_parse = {'type': 'json_schema', 'json_schema': {'name': 'codes', 'schema': {
+        'type': 'object', 'properties': patterns, 'required': list(patterns)}}}
+    checks = concurrent.futures.ThreadPoolExecutor(1)
+    slow_start = time.perf_counter()
+    slow_check = checks.submit(client.chat.completions.create, model=model, messages=messages,
+                               response_format=slow_to_parse, max_tokens=8)
     # a schema without instances: refused with the reason, the grammar is never dropped
     with pytest.raises(openai.BadRequestError, match='admits no instance'):
         client.chat.completions.create(model=model, messages=messages, response_format=NO_INSTANCE, max_tokens=32)
@@ -134,6 +144,10 @@ def test_hostile_requests(server):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             for t in chunk.choices[0].logprobs.content or []:
                 assert math.isfinite(t.logprob)
+    with pytest.raises(openai.BadRequestError, match='longer than 30 s'):
+        slow_check.result()
+    assert time.perf_counter() - slow_start < 30 + 30
+    checks.shutdown()
     assert proc.poll() is None, log.read_text()[-4000:]
     assert traffic.health(base) == 200
 

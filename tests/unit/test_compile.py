@@ -1,5 +1,6 @@
 """GrammarCompileService: compiles in a killable child process, with a time limit and a bounded cache, and the
 caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgrammar."""
+import concurrent.futures
 import json
 import os
 import re
@@ -26,7 +27,9 @@ from lmdeploy_guided_spec.compile import (
     MASK_LIMIT_ENV,
     MATCHER_LIMIT_ENV,
     GrammarCompileService,
+    grammar_checker,
     grammar_cost,
+    grammar_is_empty,
 )
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
@@ -257,6 +260,113 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != 'Z'
+
+
+# xgrammar's conversion of this pattern grows about as the square of its bound: 0.9 s for {1,5000}, 18 s for
+# {1,20000} on a 2-core machine; a minute here
+SLOW_PATTERN = {'type': 'string', 'pattern': '^[a-z]{1,40000}$'}
+NO_INSTANCE = {'$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}
+
+
+@pytest.mark.parametrize('kind,source,options,text', CASES, ids=[c[0] + str(i) for i, c in enumerate(CASES)])
+def test_a_check_parses_every_kind_without_a_tokenizer(kind, source, options, text):
+    assert grammar_is_empty(kind, source, **options) is False
+    assert grammar_checker().tokenizer_info is None
+
+
+@pytest.mark.parametrize('kind,source', [('json_schema', NO_INSTANCE), ('regex', 'a[^\\s\\S]'),
+                                         ('ebnf', 'root ::= "a" root')])
+def test_a_check_finds_a_grammar_without_instances(kind, source):
+    assert grammar_is_empty(kind, source) is True
+
+
+@pytest.mark.parametrize('kind,source,reason', [
+    ('json_schema', {'type': 'nonsense'}, 'Unsupported type "nonsense"'),
+    ('regex', '[a-', "Unclosed '['"),
+    ('ebnf', 'root ::= undefined_rule', 'undefined_rule'),
+])
+def test_a_check_of_an_invalid_source_says_xgrammars_reason(kind, source, reason):
+    for _ in range(2):  # the second answer comes from the checker's memory, the same
+        with pytest.raises(GrammarCompileError) as info:
+            grammar_is_empty(kind, source)
+        assert reason in info.value.reason and info.value.reason in str(info.value)
+        assert not re.match(r'^\[', info.value.reason), info.value.reason  # no log prefix of xgrammar's
+
+
+def test_a_slow_check_is_stopped_at_the_limit_and_the_checker_serves_on(monkeypatch):
+    """The entry check of a request parsed its grammar in a thread of the serving process, with no limit: a pattern
+    that xgrammar converts for a minute held a thread for that minute (and many such requests every thread), and
+    it could not be stopped. In the checker's process it is stopped at the compile limit."""
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(TIMEOUT_S))
+    grammar_is_empty('regex', 'warm-up')
+    start = time.perf_counter()
+    with pytest.raises(GrammarCompileTimeout) as info:
+        grammar_is_empty('json_schema', SLOW_PATTERN)
+    assert time.perf_counter() - start < TIMEOUT_S + 3
+    assert f'checking a json_schema grammar ({len(json.dumps(SLOW_PATTERN)):,} bytes) took longer than ' \
+        f'{TIMEOUT_S:g} s' in str(info.value) and COMPILE_TIMEOUT_ENV in str(info.value)
+    assert grammar_is_empty('json_schema', PERSON) is False  # a fresh process took over
+    # a timeout is not remembered: with a longer limit the same source is checked again (and stopped again here)
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(2 * TIMEOUT_S))
+    start = time.perf_counter()
+    with pytest.raises(GrammarCompileTimeout, match=f'longer than {2 * TIMEOUT_S:g} s'):
+        grammar_is_empty('json_schema', SLOW_PATTERN)
+    assert 2 * TIMEOUT_S <= time.perf_counter() - start
+
+
+def test_checks_side_by_side_do_not_wait_for_a_slow_one(monkeypatch):
+    """Two checker processes: a slow check holds one until its limit, the other answers meanwhile."""
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '20')
+    checker = grammar_checker()
+    slow = checker.check('json_schema', SLOW_PATTERN, timeout_s=20)
+    deadline = time.perf_counter() + 10
+    while not slow.running() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    assert grammar_is_empty('json_schema', NESTED) is False
+    assert time.perf_counter() - start < 10 and not slow.done()
+    slow.cancel()
+    with pytest.raises((GrammarCompileTimeout, concurrent.futures.CancelledError)):
+        slow.result(timeout=30)
+
+
+def test_an_engines_compile_service_checks_under_its_own_limit(service, monkeypatch):
+    """The engine checks with its compile service: its processes, its limit (the variable is not read again)."""
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '600')
+    assert grammar_is_empty('json_schema', NO_INSTANCE, service=service) is True
+    start = time.perf_counter()
+    with pytest.raises(GrammarCompileTimeout, match=f'checking a json_schema grammar .* longer than {TIMEOUT_S:g} s'):
+        grammar_is_empty('json_schema', SLOW_PATTERN, service=service)
+    assert time.perf_counter() - start < TIMEOUT_S + 3
+    assert service.compile('json_schema', NESTED) is not None  # and it compiles on
+
+
+def test_a_service_that_checks_compiles_nothing():
+    with GrammarCompileService(None, timeout_s=TIMEOUT_S, max_workers=1) as checker:
+        assert checker.check('regex', '[0-9]+').result(timeout=60) is False
+        assert checker.lookup('regex', '[0-9]+') is None
+        with pytest.raises(RuntimeError, match='no tokenizer'):
+            checker.submit('regex', '[0-9]+')
+
+
+def test_a_forked_process_starts_its_own_checker():
+    """A server that forks (workers of a process manager) after a check: the child's checker is its own, and the
+    parent's checker process is left alone."""
+    parent = grammar_checker()
+    grammar_is_empty('regex', 'before-fork')
+    child_process = parent._children[0].process
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child reports by its exit code)
+        try:
+            code = 0 if grammar_is_empty('regex', 'in-the-child[0-9]') is False and grammar_checker() is not parent \
+                else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_process.poll() is None and grammar_checker() is parent
+    assert grammar_is_empty('regex', 'after-fork') is False
 
 
 def test_repeats_and_duplicates_cost_nothing(service):
