@@ -119,6 +119,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # answers of checks a service keeps (a digest and a bool or an error each)
 _CHECKED_ENTRIES = 4096
+# seconds a check stopped at the limit is remembered: the same source sent again is refused without a process
+# spending the limit on it again; a source that was slow only on a loaded machine is checked again after this
+_TIMED_OUT_REMEMBERED_S = 600.0
 
 
 def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) -> list[int]:
@@ -457,6 +460,20 @@ def _child_main(fd: int, max_threads: int, parent_pid: int) -> None:
         conn.send(('ok', payload, seconds, size))
 
 
+class _TimedOut(NamedTuple):
+    """A check stopped at ``limit_s``, remembered since ``at`` (``time.monotonic``)."""
+    error: GrammarCompileTimeout
+    limit_s: float
+    at: float
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A fresh exception with the message (and ``reason``) of a remembered one, for another caller."""
+    if isinstance(error, GrammarCompileError):
+        return GrammarCompileError(str(error), reason=error.reason)
+    return type(error)(str(error))
+
+
 @dataclass
 class _Job:
     key: tuple
@@ -684,8 +701,9 @@ class GrammarCompileService:
             Of True when the grammar derives no string (a ``$ref`` to itself, say), False when it does. It fails
             with :class:`GrammarCompileError` (``reason``: xgrammar's, without its log prefix) for a source that
             does not parse, :class:`GrammarCompileTimeout` past the limit, :class:`GrammarCompilerUnavailable` when
-            the process died or the service closed. Answers are cached (not timeouts), and a check of the same
-            source in flight is shared.
+            the process died or the service closed. Answers are remembered, a timeout for
+            :data:`_TIMED_OUT_REMEMBERED_S` seconds (a client that sends the same source again is refused at once,
+            without holding a process for the limit again), and a check of the same source in flight is shared.
         """
         kind, source, options = self._normalize(kind, source, options)
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -693,8 +711,14 @@ class GrammarCompileService:
             raise ValueError(f'timeout_s must be positive, got {timeout_s!r}')
         key = hashlib.blake2b(json.dumps(['check', kind, source, options], sort_keys=True).encode(),
                               digest_size=16).digest()
-        return self._start(key, self._checked, lambda known: known,
-                           lambda: _Job(key, kind, source, options, check_timeout_s=limit))
+
+        def answer(known):
+            if isinstance(known, _TimedOut):  # stopped at a limit no shorter than this one, a short while ago
+                fresh = known.limit_s >= limit and time.monotonic() - known.at < _TIMED_OUT_REMEMBERED_S
+                return known.error if fresh else None
+            return known
+
+        return self._start(key, self._checked, answer, lambda: _Job(key, kind, source, options, check_timeout_s=limit))
 
     def lookup(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar | None:
         """The cached grammar, or None when it is not cached (never starts a compile).
@@ -759,16 +783,18 @@ class GrammarCompileService:
     def _start(self, key, answers: collections.OrderedDict, answer: Callable[[Any], Any],
                job: Callable[[], _Job]) -> concurrent.futures.Future:
         """The future of ``key``: done at once where ``answers`` holds it (``answer`` of the entry: a grammar, a
-        check's answer, or a :class:`GrammarCompileError` to raise), the job in flight for it, or a new ``job()``."""
+        check's answer, an exception to raise, or None where the entry does not answer), the job in flight for it,
+        or a new ``job()``."""
         with self._lock:
             if self._closed:
                 raise GrammarCompilerUnavailable('the grammar compile service is closed')
             known = answers.get(key)
-            if known is not None:
+            value = None if known is None else answer(known)
+            if value is not None:
                 answers.move_to_end(key)
-                future, value = concurrent.futures.Future(), answer(known)
-                if isinstance(value, GrammarCompileError):  # a fresh one: an exception keeps its traceback
-                    future.set_exception(GrammarCompileError(str(value), reason=value.reason))
+                future = concurrent.futures.Future()
+                if isinstance(value, BaseException):  # a fresh one: an exception keeps its traceback
+                    future.set_exception(_copy_error(value))
                 else:
                     future.set_result(value)
                 return future
@@ -778,8 +804,14 @@ class GrammarCompileService:
             new = job()
             self._inflight[key] = new.future
         with self._gate:
-            self._jobs.append(new)
-            self._gate.notify_all()
+            if self._closed:  # close() took the queue after the check above: nothing would take this job
+                closed = True
+            else:
+                closed = False
+                self._jobs.append(new)
+                self._gate.notify_all()
+        if closed:
+            self._finish(new, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
         return new.future
 
     @staticmethod
@@ -928,9 +960,9 @@ class GrammarCompileService:
         with self._lock:
             self._inflight.pop(job.key, None)
             if job.check_timeout_s is not None and (error is None or isinstance(error, GrammarCompileError)):
-                self._checked[job.key] = result if error is None else error
-                while len(self._checked) > _CHECKED_ENTRIES:
-                    self._checked.popitem(last=False)
+                self._remember_check(job.key, result if error is None else error)
+            elif job.check_timeout_s is not None and isinstance(error, GrammarCompileTimeout):
+                self._remember_check(job.key, _TimedOut(error, job.check_timeout_s, time.monotonic()))
             elif error is None:
                 self._remember(job.key, result)
         if job.future.done():
@@ -942,6 +974,12 @@ class GrammarCompileService:
         else:
             job.future.set_result(result)
 
+    def _remember_check(self, key: bytes, answer) -> None:
+        self._checked[key] = answer
+        self._checked.move_to_end(key)
+        while len(self._checked) > _CHECKED_ENTRIES:
+            self._checked.popitem(last=False)
+
     def _remember(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
         size = grammar.memory_size_bytes
         if size > self.cache_limit_bytes:
@@ -952,6 +990,11 @@ class GrammarCompileService:
             _, (_, evicted) = self._cache.popitem(last=False)
             self._cache_bytes -= evicted
 
+
+#: Processes of a checker (:func:`grammar_checker`): the first starts with the first check, each other one when a
+#: check arrives while all before it are busy (about 240 MB each). A check waits for a free one, so this many
+#: sources that parse up to the limit delay the checks of the others by up to that long
+CHECKER_PROCESSES = 4
 
 # the checker of this process (grammar_is_empty), and the pid it belongs to: a forked child starts its own
 _checker: GrammarCompileService | None = None
@@ -966,31 +1009,29 @@ def grammar_checker() -> GrammarCompileService:
     server can call this at start-up, so that its first request does not wait for the checker process."""
     global _checker, _checker_pid
     with _checker_lock:
-        if _checker is None or _checker_pid != os.getpid():
-            if _checker is not None:
+        if _checker is None or _checker_pid != os.getpid() or _checker._closed:
+            if _checker is not None and _checker_pid != os.getpid():
                 _inherited.append(_checker)
             # limits of the checks come with each call (grammar_is_empty); a checker compiles nothing
             _checker = GrammarCompileService(None, timeout_s=DEFAULT_COMPILE_TIMEOUT_S, cache_limit_bytes=0,
-                                             max_threads=1, max_workers=2, mask_limit_ms=float('inf'),
-                                             matcher_limit_mb=float('inf'))
+                                             max_threads=1, max_workers=CHECKER_PROCESSES,
+                                             mask_limit_ms=float('inf'), matcher_limit_mb=float('inf'))
             _checker_pid = os.getpid()
             atexit.register(_checker.close)
         return _checker
 
 
-def grammar_is_empty(kind: str, source: str | dict | None = None, *, service: GrammarCompileService | None = None,
-                     **options: Any) -> bool:
-    """Parse a grammar source in a compiler process and say whether its language is empty, within a time limit.
+def grammar_is_empty(kind: str, source: str | dict | None = None, **options: Any) -> bool:
+    """Parse a grammar source in this process's checker (:func:`grammar_checker`) and say whether its language is
+    empty, within the compile time limit (``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT``, read on each call).
 
     The entry check of a request, before it reaches an engine: xgrammar's conversion of a source has no time limit
-    of its own and can take minutes, and a thread running it cannot be stopped. ``service`` (an engine's
-    :class:`GrammarCompileService`) checks under its own limit; without it, this process's checker
-    (:func:`grammar_checker`) checks under the compile limit, ``LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT``, read on each
-    call (a malformed value raises ``ValueError`` naming it). Other arguments as :meth:`GrammarCompileService.check`,
-    which says what it raises (:class:`GrammarCompileError` for a source that does not parse,
-    :class:`GrammarCompileTimeout` past the limit). Blocks: call it from a worker thread, never from an event loop.
+    of its own and can take minutes, and a thread running it cannot be stopped. Arguments as
+    :meth:`GrammarCompileService.check`, which says what it raises (:class:`GrammarCompileError` for a source
+    that does not parse, :class:`GrammarCompileTimeout` past the limit, :class:`GrammarCompilerUnavailable` where
+    the checker's process died: a fault of the server, not of the source); a malformed limit raises ``ValueError``
+    naming the variable. The answer of a source is remembered, so a serving process and an engine in it parse it
+    once. Blocks: call it from a worker thread, never from an event loop.
     """
-    if service is not None:
-        return service.check(kind, source, **options).result()
     limit = compile_timeout_s_from_env()
     return grammar_checker().check(kind, source, timeout_s=limit, **options).result()

@@ -306,7 +306,12 @@ def test_a_slow_check_is_stopped_at_the_limit_and_the_checker_serves_on(monkeypa
     assert f'checking a json_schema grammar ({len(json.dumps(SLOW_PATTERN)):,} bytes) took longer than ' \
         f'{TIMEOUT_S:g} s' in str(info.value) and COMPILE_TIMEOUT_ENV in str(info.value)
     assert grammar_is_empty('json_schema', PERSON) is False  # a fresh process took over
-    # a timeout is not remembered: with a longer limit the same source is checked again (and stopped again here)
+    # the same source again (a client that retries): refused at once, no process spends the limit on it again
+    start = time.perf_counter()
+    with pytest.raises(GrammarCompileTimeout, match=f'longer than {TIMEOUT_S:g} s'):
+        grammar_is_empty('json_schema', SLOW_PATTERN)
+    assert time.perf_counter() - start < 0.5
+    # with a longer limit the same source is checked again (and stopped again here)
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(2 * TIMEOUT_S))
     start = time.perf_counter()
     with pytest.raises(GrammarCompileTimeout, match=f'longer than {2 * TIMEOUT_S:g} s'):
@@ -330,15 +335,33 @@ def test_checks_side_by_side_do_not_wait_for_a_slow_one(monkeypatch):
         slow.result(timeout=30)
 
 
-def test_an_engines_compile_service_checks_under_its_own_limit(service, monkeypatch):
-    """The engine checks with its compile service: its processes, its limit (the variable is not read again)."""
-    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '600')
-    assert grammar_is_empty('json_schema', NO_INSTANCE, service=service) is True
+def test_a_compile_service_checks_under_its_own_limit(service):
+    """A service with a tokenizer checks too, in its processes, under its limit, and compiles on."""
+    assert service.check('json_schema', NO_INSTANCE).result(timeout=60) is True
     start = time.perf_counter()
     with pytest.raises(GrammarCompileTimeout, match=f'checking a json_schema grammar .* longer than {TIMEOUT_S:g} s'):
-        grammar_is_empty('json_schema', SLOW_PATTERN, service=service)
+        service.check('json_schema', SLOW_PATTERN).result(timeout=60)
     assert time.perf_counter() - start < TIMEOUT_S + 3
-    assert service.compile('json_schema', NESTED) is not None  # and it compiles on
+    assert service.compile('json_schema', NESTED) is not None
+
+
+def test_a_closed_checker_is_replaced_and_a_dead_one_is_the_servers_fault():
+    """A checker closed under a server (its processes killed, at exit, by a test) is not the request's problem: the
+    next check starts a fresh checker; a check whose process dies says so, as a fault of the server."""
+    grammar_checker().close()
+    assert grammar_is_empty('regex', 'after-close[0-9]+') is False
+    checker = grammar_checker()
+    future = checker.check('json_schema', SLOW_PATTERN, timeout_s=60)
+    deadline = time.perf_counter() + 10
+    while not (future.running() and all(c is not None and c.ready for c in checker._children[:1])) \
+            and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    slot = next(i for i, c in enumerate(checker._children) if c is not None and checker._busy[i])
+    checker._children[slot].process.kill()
+    with pytest.raises(GrammarCompilerUnavailable, match='died .* while checking'):
+        future.result(timeout=30)
+    assert grammar_is_empty('regex', 'after-a-death[0-9]+') is False
 
 
 def test_a_service_that_checks_compiles_nothing():
