@@ -851,6 +851,9 @@ class GrammarCompileService:
                     return
                 job = self._jobs.popleft()
                 self._busy[slot] = True
+                # the next thread takes a job only while this one is busy: it must look again now, or a job queued
+                # beside this one waits until this job ends (the whole limit, for a slow grammar)
+                self._gate.notify_all()
             try:
                 self._serve_job(slot, job)
             finally:

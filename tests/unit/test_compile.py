@@ -364,6 +364,17 @@ def test_a_closed_checker_is_replaced_and_a_dead_one_is_the_servers_fault():
     assert grammar_is_empty('regex', 'after-a-death[0-9]+') is False
 
 
+def test_jobs_that_arrive_together_run_side_by_side():
+    """Two jobs queued while the first process starts (the first requests of a server): the first process takes one,
+    and the second process must take the other at once. It slept until the first job ended (its thread was not told
+    the first had become busy), so a request waited for the limit of another's slow grammar."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=2) as checker:
+        slow = checker.check('json_schema', SLOW_PATTERN)
+        start = time.perf_counter()
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False
+        assert time.perf_counter() - start < 12 and not slow.done(), time.perf_counter() - start
+
+
 def test_a_service_that_checks_compiles_nothing():
     with GrammarCompileService(None, timeout_s=TIMEOUT_S, max_workers=1) as checker:
         assert checker.check('regex', '[0-9]+').result(timeout=60) is False
