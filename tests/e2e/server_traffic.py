@@ -181,17 +181,29 @@ def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
 
 
-def resident_mb(pid: int) -> int:
-    """Resident memory of the server ``pid`` and the processes of its group (the engine's), in MB, without the
-    grammar compiler processes, which are killed and started again at will."""
-    total = 0
-    group = os.getpgid(pid)
+def group_processes(group: int) -> list[int]:
+    """The live processes of process group ``group`` (a server spawned in its own session, and all it started)."""
+    pids = []
     for entry in os.listdir('/proc'):
         if not entry.isdigit():
             continue
         try:
             if os.getpgid(int(entry)) != group:
                 continue
+            with open(f'/proc/{entry}/stat') as f:
+                if f.read().rsplit(')', 1)[1].split()[0] != 'Z':
+                    pids.append(int(entry))
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+    return pids
+
+
+def resident_mb(pid: int) -> int:
+    """Resident memory of the server ``pid`` and the processes of its group (the engine's), in MB, without the
+    grammar compiler processes, which are killed and started again at will."""
+    total = 0
+    for entry in group_processes(os.getpgid(pid)):
+        try:
             with open(f'/proc/{entry}/cmdline', 'rb') as f:
                 if b'_child_main' in f.read():
                     continue

@@ -10,6 +10,8 @@ import asyncio
 import concurrent.futures
 import json
 import math
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -76,9 +78,11 @@ def test_hostile_requests(server):
     slow_start = time.perf_counter()
     slow_check = checks.submit(client.chat.completions.create, model=model, messages=messages,
                                response_format=slow_to_parse, max_tokens=8)
-    # a schema without instances: refused with the reason, the grammar is never dropped
+    # a schema without instances: refused with the reason, the grammar is never dropped; checked beside the slow
+    # one, not after it (its check waited the whole limit when both arrived while the checker started)
     with pytest.raises(openai.BadRequestError, match='admits no instance'):
         client.chat.completions.create(model=model, messages=messages, response_format=NO_INSTANCE, max_tokens=32)
+    assert time.perf_counter() - slow_start < 20 and not slow_check.done()
     # a schema given as a JSON string: the server's request model takes an object (as OpenAI's does) and refuses it
     # before it reaches the engine (pipeline accepts the string: test_deployment.py)
     as_string = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': json.dumps(PERSON)}}
@@ -192,3 +196,38 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
     assert reason == 'stop'
     check_valid(text, fmt)
 
+
+
+def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_path):
+    """An api_server killed outright (the OOM killer, ``kill -9``) left lmdeploy's engine process running on its
+    own: on a GPU the model and the KV cache stay taken, and a server started again does not find the memory. The
+    engine process, the compiler processes and the grammar checker's end with the server."""
+    log = tmp_path / 'server.log'
+    proc, base = start_server([], log)
+    group = proc.pid  # the server leads a session of its own: its process group holds all it started
+    try:
+        fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))  # grammars checked and compiled
+        check_valid(text, fmt)
+        started = [pid for pid in traffic.group_processes(group) if pid != proc.pid]
+        assert started, 'the server started no processes'
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while traffic.group_processes(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = traffic.group_processes(group)
+        described = {pid: _cmdline(pid) for pid in left}
+    finally:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f'still running 60 s after the server was killed: {described}'
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            return f.read().replace(b'\0', b' ').decode(errors='replace')[:200]
+    except OSError:
+        return '?'
