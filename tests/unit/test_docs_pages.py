@@ -43,3 +43,22 @@ def test_the_install_page_shows_every_patch_and_file_of_the_series():
             assert re.search(rf'^{re.escape(name)} +applied$', text, re.M), (page, name)  # status's output
         for rel in files:
             assert f'\n  {rel}\n' in text, (page, rel)
+
+
+@pytest.mark.parametrize('series', sorted(p.name for p in (ROOT / 'patches').glob('lmdeploy-*')))
+def test_the_patches_readme_lists_every_patch_with_its_category(series):
+    """patches/README.md has a row for each patch of each series, with the category its commit message gives."""
+    readme = (ROOT / 'patches' / 'README.md').read_text(encoding='utf-8')
+    section = readme.split(f'## {series}\n', 1)[1].split('\n## ', 1)[0] if f'## {series}\n' in readme else readme
+    rows = dict(re.findall(r'^\| `(\d{4}-[^`]+\.patch)` \| ([^|]+?) \|', section, re.M))
+    for patch in sorted((ROOT / 'patches' / series).glob('*.patch')):
+        assert patch.name in rows, f'{series}/{patch.name} has no row in patches/README.md'
+        category = re.search(r'^Category: (.+?)\.?$', patch.read_text(encoding='utf-8'), re.M)
+        assert category is not None, f'{series}/{patch.name}: its commit message names no category'
+        assert _kind(rows[patch.name]) == _kind(category.group(1)), (patch.name, rows[patch.name], category.group(1))
+
+
+def _kind(category: str) -> str:
+    """The category of the policy (patches/README.md) a category text starts with."""
+    return next(kind for kind in ('upstreamable', 'specific to lmdeploy-guided-spec', 'incompatible with upstream')
+                if category.startswith(kind))
