@@ -372,7 +372,7 @@ def test_jobs_that_arrive_together_run_side_by_side():
         slow = checker.check('json_schema', SLOW_PATTERN)
         start = time.perf_counter()
         assert checker.check('json_schema', NESTED).result(timeout=60) is False
-        assert time.perf_counter() - start < 12 and not slow.done(), time.perf_counter() - start
+        assert time.perf_counter() - start < 17 and not slow.done(), time.perf_counter() - start
 
 
 def test_a_service_that_checks_compiles_nothing():

@@ -49,9 +49,13 @@ def test_the_install_page_shows_every_patch_and_file_of_the_series():
 def test_the_patches_readme_lists_every_patch_with_its_category(series):
     """patches/README.md has a row for each patch of each series, with the category its commit message gives."""
     readme = (ROOT / 'patches' / 'README.md').read_text(encoding='utf-8')
-    section = readme.split(f'## {series}\n', 1)[1].split('\n## ', 1)[0] if f'## {series}\n' in readme else readme
+    assert f'\n## {series}\n' in readme, f'patches/README.md has no section ## {series}'
+    section = readme.split(f'\n## {series}\n', 1)[1].split('\n## ', 1)[0]
     rows = dict(re.findall(r'^\| `(\d{4}-[^`]+\.patch)` \| ([^|]+?) \|', section, re.M))
-    for patch in sorted((ROOT / 'patches' / series).glob('*.patch')):
+    patches = sorted((ROOT / 'patches' / series).glob('*.patch'))
+    stale = set(rows) - {p.name for p in patches}
+    assert not stale, f'rows of patches that {series} does not have: {sorted(stale)}'
+    for patch in patches:
         assert patch.name in rows, f'{series}/{patch.name} has no row in patches/README.md'
         category = re.search(r'^Category: (.+?)\.?$', patch.read_text(encoding='utf-8'), re.M)
         assert category is not None, f'{series}/{patch.name}: its commit message names no category'
