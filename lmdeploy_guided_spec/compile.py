@@ -606,8 +606,9 @@ class GrammarCompileService:
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
         # answers of checks, by a digest of what was checked (sources can be megabytes): whether the language is
-        # empty, or why the source does not parse
-        self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError] = collections.OrderedDict()
+        # empty, why the source does not parse, or a recent timeout
+        self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError | _TimedOut] = \
+            collections.OrderedDict()
         self._inflight: dict[tuple | bytes, concurrent.futures.Future] = {}
         # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
         # first takes a job only while all before it are busy, so its process starts only when compiles overlap
@@ -901,34 +902,31 @@ class GrammarCompileService:
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
         child = self._child(slot)
         checks = job.check_timeout_s is not None
+        doing, limit = ('checking', job.check_timeout_s) if checks else ('compiling', self.timeout_s)
         try:
             if checks:
                 child.conn.send(('check', job.kind, job.source, job.options))
             else:
                 child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes,
                                  self.mask_limit_ms / 1e3, self.matcher_limit_mb * (1 << 20)))
-            answered = child.conn.poll(job.check_timeout_s if checks else self.timeout_s)
+            answered = child.conn.poll(limit)
             reply = child.conn.recv() if answered else None
         except (EOFError, OSError):
             code = self._drop_child(slot)
             if self._closed:
                 raise GrammarCompilerUnavailable('the grammar compile service was closed') from None
             raise GrammarCompilerUnavailable(
-                f'the grammar compiler process died (exit code {code}) while '
-                f'{"checking" if checks else "compiling"} a {self._describe(job)}; a fresh one starts with the next '
-                f'compile') from None
+                f'the grammar compiler process died (exit code {code}) while {doing} a {self._describe(job)}; a '
+                f'fresh one starts with the next compile') from None
         if reply is None:
             self._drop_child(slot)
             raise GrammarCompileTimeout(
-                f'{"checking" if checks else "compiling"} a {self._describe(job)} took longer than '
-                f'{job.check_timeout_s if checks else self.timeout_s:g} s and was stopped; raise the limit with the '
-                f'environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+                f'{doing} a {self._describe(job)} took longer than {limit:g} s and was stopped; raise the limit with '
+                f'the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
         if reply[0] == 'checked':
             return reply[1]
-        if reply[0] == 'error' and checks:
-            raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}', reason=reply[1])
-        if reply[0] == 'error':
-            raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}')
+        if reply[0] == 'error':  # a check's reason is xgrammar's alone; a compile's starts with its type
+            raise GrammarCompileError(f'invalid {self._describe(job)}: {reply[1]}', reason=reply[1] if checks else None)
         if reply[0] == 'internal':
             raise GrammarCompilerUnavailable(f'the grammar compiler failed on a {self._describe(job)}: {reply[1]}')
         if reply[0] == 'slow':
@@ -962,12 +960,13 @@ class GrammarCompileService:
                 error: BaseException | None = None) -> None:
         with self._lock:
             self._inflight.pop(job.key, None)
-            if job.check_timeout_s is not None and (error is None or isinstance(error, GrammarCompileError)):
+            if job.check_timeout_s is None:
+                if error is None:
+                    self._remember(job.key, result)
+            elif error is None or isinstance(error, GrammarCompileError):
                 self._remember_check(job.key, result if error is None else error)
-            elif job.check_timeout_s is not None and isinstance(error, GrammarCompileTimeout):
+            elif isinstance(error, GrammarCompileTimeout):
                 self._remember_check(job.key, _TimedOut(error, job.check_timeout_s, time.monotonic()))
-            elif error is None:
-                self._remember(job.key, result)
         if job.future.done():
             return
         if not job.future.running() and not job.future.set_running_or_notify_cancel():

@@ -198,15 +198,24 @@ def group_processes(group: int) -> list[int]:
     return pids
 
 
+def proc_text(pid: int, name: str) -> str:
+    """``/proc/<pid>/<name>`` as text (``comm``: the process name, ``cmdline``: its arguments joined by spaces), or
+    '?' for a process gone meanwhile."""
+    try:
+        with open(f'/proc/{pid}/{name}', 'rb') as f:
+            return f.read().replace(b'\0', b' ').decode(errors='replace').strip()
+    except OSError:
+        return '?'
+
+
 def resident_mb(pid: int) -> int:
     """Resident memory of the server ``pid`` and the processes of its group (the engine's), in MB, without the
     grammar compiler processes, which are killed and started again at will."""
     total = 0
     for entry in group_processes(os.getpgid(pid)):
         try:
-            with open(f'/proc/{entry}/cmdline', 'rb') as f:
-                if b'_child_main' in f.read():
-                    continue
+            if '_child_main' in proc_text(entry, 'cmdline'):
+                continue
             with open(f'/proc/{entry}/status') as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
         except (OSError, StopIteration, ValueError):

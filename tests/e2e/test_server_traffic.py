@@ -209,7 +209,8 @@ def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_pa
         fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))  # grammars checked and compiled
         check_valid(text, fmt)
         started = [pid for pid in traffic.group_processes(group) if pid != proc.pid]
-        assert any(_comm(pid) == 'ZMQMPEngine' for pid in started), {pid: _cmdline(pid) for pid in started}
+        assert any(traffic.proc_text(pid, 'comm') == 'ZMQMPEngine' for pid in started), {
+            pid: traffic.proc_text(pid, 'cmdline')[:200] for pid in started}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         # the engine process stops as on SIGTERM at once, and is killed 60 s later if it has not ended
@@ -217,7 +218,7 @@ def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_pa
         while traffic.group_processes(group) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = traffic.group_processes(group)
-        described = {pid: _cmdline(pid) for pid in left}
+        described = {pid: traffic.proc_text(pid, 'cmdline')[:200] for pid in left}
     finally:
         try:
             os.killpg(group, signal.SIGKILL)
@@ -225,18 +226,3 @@ def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_pa
             pass
     assert not left, f'still running 90 s after the server was killed: {described}'
 
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f'/proc/{pid}/comm') as f:
-            return f.read().strip()
-    except OSError:
-        return '?'
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f'/proc/{pid}/cmdline', 'rb') as f:
-            return f.read().replace(b'\0', b' ').decode(errors='replace')[:200]
-    except OSError:
-        return '?'
