@@ -559,7 +559,8 @@ class GrammarCompileService:
     max_workers : int
         Compiler processes (compiles that run at the same time). One slow schema then holds one worker until its
         limit while the others keep compiling. The first process starts with the service, the others with the
-        first compile that arrives while all before them are busy.
+        first compile that arrives while all before them are busy. While the first starts again after a kill, a
+        compile that arrives goes to another process that is ready.
     transfer_limit_bytes : int
         Biggest grammar the child sends back serialized; a bigger one is compiled again in the parent, which is
         faster than its JSON round trip (see the module docstring).
@@ -615,6 +616,9 @@ class GrammarCompileService:
         # (each costs about 240 MB, most of it torch)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._busy = [False] * max_workers
+        # slot 0 starts its process (again, after a kill) outside any job: a thread after it whose process is ready
+        # takes jobs meanwhile instead of waiting seconds for that start
+        self._starting = [False] * max_workers
         self._gate = threading.Condition()
         self._children: list[_Child | None] = [None] * max_workers
         self._local: xgr.GrammarCompiler | None = None
@@ -840,14 +844,17 @@ class GrammarCompileService:
                 # start the first child before a job asks for it: a fresh interpreter takes seconds to import
                 # xgrammar (and torch with it), which would otherwise add to the first compile (and to the first
                 # after a kill). The others start with the first compile that overlaps
+                self._set_starting(slot, True)
                 try:
                     self._child(slot)
                 except GrammarCompilerUnavailable as exc:
                     if not self._closed:
                         # (a child that close() killed while it started is no failure)
                         logger.warning('%s; trying again with the next compile', exc)
+                finally:
+                    self._set_starting(slot, False)
             with self._gate:
-                self._gate.wait_for(lambda: self._closed or (self._jobs and all(self._busy[:slot])))
+                self._gate.wait_for(lambda: self._closed or (self._jobs and self._may_take(slot)))
                 if self._closed:
                     return
                 job = self._jobs.popleft()
@@ -861,6 +868,18 @@ class GrammarCompileService:
                 with self._gate:
                     self._busy[slot] = False
                     self._gate.notify_all()
+
+    def _may_take(self, slot: int) -> bool:
+        """Whether ``slot`` takes the next job (under ``_gate``): while every slot before it is busy, or starting
+        its process where this slot's is ready."""
+        child = self._children[slot]
+        ready = child is not None and child.ready
+        return all(self._busy[i] or (ready and self._starting[i]) for i in range(slot))
+
+    def _set_starting(self, slot: int, starting: bool) -> None:
+        with self._gate:
+            self._starting[slot] = starting
+            self._gate.notify_all()
 
     def _serve_job(self, slot: int, job: _Job) -> None:
         if self._closed:

@@ -375,6 +375,35 @@ def test_jobs_that_arrive_together_run_side_by_side():
         assert time.perf_counter() - start < 17 and not slow.done(), time.perf_counter() - start
 
 
+def test_a_process_that_restarts_after_a_timeout_holds_no_job_back():
+    """After a job stopped at the limit, the first process starts again (seconds: a fresh interpreter imports
+    xgrammar and torch). A job that arrives meanwhile goes to a process that is ready: it waited for that start."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=2) as checker:
+        slow = checker.check('json_schema', SLOW_PATTERN, timeout_s=3)
+        # a job beside the slow one starts the second process, which stays ready
+        assert checker.check('regex', 'beside[0-9]').result(timeout=60) is False
+        with pytest.raises(GrammarCompileTimeout):
+            slow.result(timeout=60)
+        time.sleep(0.3)  # the first process is starting again now
+        restart = time.perf_counter()
+        assert _starting(checker, 0)
+        start = time.perf_counter()
+        assert checker.check('regex', 'after[0-9]').result(timeout=60) is False
+        waited = time.perf_counter() - start
+        while _starting(checker, 0) and time.perf_counter() - restart < 60:
+            time.sleep(0.01)
+        restarted = time.perf_counter() - restart
+        assert waited < min(1.0, restarted / 2), (waited, restarted)
+        # and the first process serves again once it has started
+        assert checker._children[0] is not None and checker._children[0].ready
+        assert checker.check('regex', 'again[0-9]').result(timeout=60) is False
+
+
+def _starting(service: GrammarCompileService, slot: int) -> bool:
+    child = service._children[slot]
+    return child is None or not child.ready
+
+
 def test_a_service_that_checks_compiles_nothing():
     with GrammarCompileService(None, timeout_s=TIMEOUT_S, max_workers=1) as checker:
         assert checker.check('regex', '[0-9]+').result(timeout=60) is False
