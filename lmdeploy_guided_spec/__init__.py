@@ -22,6 +22,7 @@ _EXPORTS = {
     'FsmError': 'errors',
     'GrammarCompileError': 'errors',
     'GrammarCompileTimeout': 'errors',
+    'GrammarCompileBusy': 'errors',
     'GrammarCompilerUnavailable': 'errors',
     'GuidedFieldError': 'errors',
     'xgrammar_reason': 'errors',

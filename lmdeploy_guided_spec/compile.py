@@ -18,16 +18,19 @@ so a repeated schema costs nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,13 +45,20 @@ import xgrammar as xgr
 
 from . import regular
 from .env import positive_from_env
-from .errors import GrammarCompileError, GrammarCompilerUnavailable, GrammarCompileTimeout, xgrammar_reason
+from .errors import (
+    GrammarCompileBusy,
+    GrammarCompileError,
+    GrammarCompilerUnavailable,
+    GrammarCompileTimeout,
+    xgrammar_reason,
+)
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
     'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
     'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
-    'compile_timeout_s_from_env', 'grammar_is_empty'
+    'compile_timeout_s_from_env', 'grammar_is_empty', 'grammar_checker', 'conversion_cost', 'SLOW_CONVERSION_COST',
+    'SLOW_QUEUED', 'entry_check_executor', 'run_entry_check'
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,6 +89,27 @@ PROBE_WALKS = 3
 #: CPU seconds after which a probe stops walking (the schemas of JSONSchemaBench take up to 0.06 s): a grammar
 #: whose masks cost just under the limit would otherwise spend the compile's time limit in its probe.
 PROBE_BUDGET_S = 2.0
+
+
+#: :func:`conversion_cost` from which a grammar source looks slow to parse: one counted repetition of about 2,000
+#: (xgrammar converts ``^[a-z]{1,2000}$`` of a JSON schema in 0.3 s, ``^(ab|cd){1,2000}$`` in about 1.5 s; the
+#: conversion grows as the square of the count). The patterns of JSONSchemaBench count up to 255.
+SLOW_CONVERSION_COST = 2000 ** 2
+#: Sources that look slow to parse a service queues at most; one more is refused at once
+#: (:class:`GrammarCompileBusy`), so that clients sending such sources cannot hold every waiting thread of a server.
+SLOW_QUEUED = 16
+
+_COUNTED = re.compile(r'\{\s*(\d{1,9})\s*(?:,\s*(\d{0,9})\s*)?\}')
+
+
+def conversion_cost(source: str | None) -> int:
+    """A cheap estimate of how long xgrammar takes to parse a grammar source: the sum of the squares of its counted
+    repetitions (``{n}``, ``{m,n}``, ``{m,}`` anywhere in the text). xgrammar converts the pattern of a JSON schema in
+    time that grows as the square of its count (``^[a-z]{1,20000}$``: 18 s, ``{1,40000}``: over a minute on two
+    cores); counts elsewhere only make the estimate high, which costs a source nothing but its place in the queue."""
+    if not source:
+        return 0
+    return sum(max(int(low), int(high or 0)) ** 2 for low, high in _COUNTED.findall(source))
 
 
 def compile_timeout_s_from_env() -> float:
@@ -483,6 +514,12 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     #: a check (:meth:`GrammarCompileService.check`), with its time limit, rather than a compile
     check_timeout_s: float | None = None
+    #: the source looks slow to parse (:func:`conversion_cost`): it waits behind other jobs and never takes the
+    #: last process, which stays free for the others
+    slow: bool = field(init=False)
+
+    def __post_init__(self):
+        self.slow = conversion_cost(self.source) >= SLOW_CONVERSION_COST
 
 
 class _Child:
@@ -809,14 +846,19 @@ class GrammarCompileService:
             new = job()
             self._inflight[key] = new.future
         with self._gate:
+            refused = None
             if self._closed:  # close() took the queue after the check above: nothing would take this job
-                closed = True
+                refused = GrammarCompilerUnavailable('the grammar compile service was closed')
+            elif new.slow and sum(job.slow for job in self._jobs) >= SLOW_QUEUED:
+                refused = GrammarCompileBusy(
+                    f'the {self._describe(new)} looks slow to parse (counted repetitions such as {{1,20000}} in its '
+                    f'patterns) and {SLOW_QUEUED} such grammars wait already; it was not started. Send it again '
+                    f'later, or simplify its patterns')
             else:
-                closed = False
                 self._jobs.append(new)
                 self._gate.notify_all()
-        if closed:
-            self._finish(new, error=GrammarCompilerUnavailable('the grammar compile service was closed'))
+        if refused is not None:
+            self._finish(new, error=refused)
         return new.future
 
     @staticmethod
@@ -854,10 +896,11 @@ class GrammarCompileService:
                 finally:
                     self._set_starting(slot, False)
             with self._gate:
-                self._gate.wait_for(lambda: self._closed or (self._jobs and self._may_take(slot)))
+                self._gate.wait_for(lambda: self._closed or self._next_job(slot) is not None)
                 if self._closed:
                     return
-                job = self._jobs.popleft()
+                job = self._next_job(slot)
+                self._jobs.remove(job)
                 self._busy[slot] = True
                 # the next thread takes a job only while this one is busy: it must look again now, or a job queued
                 # beside this one waits until this job ends (the whole limit, for a slow grammar)
@@ -868,6 +911,17 @@ class GrammarCompileService:
                 with self._gate:
                     self._busy[slot] = False
                     self._gate.notify_all()
+
+    def _next_job(self, slot: int) -> _Job | None:
+        """The job ``slot`` takes now (under ``_gate``), or None: the first that does not look slow to parse, else
+        the first; none for the last of several slots, which is kept for the jobs that do not look slow (a few
+        sources that parse for the whole limit then delay no other grammar)."""
+        if not self._jobs or not self._may_take(slot):
+            return None
+        for job in self._jobs:
+            if not job.slow:
+                return job
+        return None if 0 < slot == len(self._busy) - 1 else self._jobs[0]
 
     def _may_take(self, slot: int) -> bool:
         """Whether ``slot`` takes the next job (under ``_gate``): while every slot before it is busy, or starting
@@ -984,7 +1038,7 @@ class GrammarCompileService:
                     self._remember(job.key, result)
             elif error is None or isinstance(error, GrammarCompileError):
                 self._remember_check(job.key, result if error is None else error)
-            elif isinstance(error, GrammarCompileTimeout):
+            elif isinstance(error, GrammarCompileTimeout) and not isinstance(error, GrammarCompileBusy):
                 self._remember_check(job.key, _TimedOut(error, job.check_timeout_s, time.monotonic()))
         if job.future.done():
             return
@@ -1040,6 +1094,37 @@ def grammar_checker() -> GrammarCompileService:
             _checker_pid = os.getpid()
             atexit.register(_checker.close)
         return _checker
+
+
+#: Threads of :func:`run_entry_check`: each waits for a check (or an engine's check and compile) without working.
+ENTRY_CHECK_THREADS = 64
+
+_entry_checks: concurrent.futures.ThreadPoolExecutor | None = None
+_entry_checks_pid: int | None = None
+
+
+def entry_check_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's threads for the entry checks of requests (:func:`run_entry_check`), started on first use."""
+    global _entry_checks, _entry_checks_pid
+    with _checker_lock:
+        if _entry_checks is None or _entry_checks_pid != os.getpid():
+            _entry_checks = concurrent.futures.ThreadPoolExecutor(ENTRY_CHECK_THREADS,
+                                                                  thread_name_prefix='guided-spec-entry-check')
+            _entry_checks_pid = os.getpid()
+        return _entry_checks
+
+
+async def run_entry_check(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on a thread of :func:`entry_check_executor`, awaited: the entry check of a request
+    (it waits for :func:`grammar_is_empty`) off the event loop.
+
+    Not ``asyncio.to_thread``: the loop's default executor has ``cpu_count + 4`` threads (6 on two cores), and a
+    check of a source slow to parse holds its thread for up to the compile limit, so a few such requests held every
+    thread, and every other request that needs one (a guided request whose grammar was checked before, a
+    multimodal request's preprocessing) waited behind them.
+    """
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(entry_check_executor(), functools.partial(func, *args, **kwargs))
 
 
 def grammar_is_empty(kind: str, source: str | dict | None = None, **options: Any) -> bool:

@@ -37,6 +37,11 @@ class GrammarCompileTimeout(GuidedSpecError, TimeoutError):
     """Compiling a grammar took longer than the limit; the compile was stopped."""
 
 
+class GrammarCompileBusy(GrammarCompileTimeout):
+    """A grammar that looks slow to parse was refused without being started: as many such grammars wait already
+    (:data:`~lmdeploy_guided_spec.compile.SLOW_QUEUED`). Sent again later, it is served."""
+
+
 class GrammarCompilerUnavailable(GuidedSpecError, RuntimeError):
     """The grammar compile service is closed, or its compiler process died while compiling."""
 

@@ -226,3 +226,51 @@ def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_pa
             pass
     assert not left, f'still running 90 s after the server was killed: {described}'
 
+
+
+def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
+    """Ten requests whose schemas take minutes to parse, each its own, at once: each holds a check of the server for up
+    to the compile limit (10 s here). A request whose schema was checked before waited 55 s behind them (the
+    checks waited on the event loop's default executor: 6 threads on two cores), one with a new small schema 28 s
+    (every checker process held a slow one). Now both are answered within seconds, and every slow one is refused
+    with HTTP 400."""
+    from lmdeploy_guided_spec.testing import environ
+    log = tmp_path / 'server.log'
+    with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '10'}):
+        proc, base = start_server([], log, max_batch_size=16)
+    try:
+        client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+        model = client.models.list().data[0].id
+        messages = [{'role': 'user', 'content': 'A person, please.'}]
+
+        def ask(fmt, max_tokens=8):
+            start = time.perf_counter()
+            choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                    max_tokens=max_tokens, temperature=0).choices[0]
+            return time.perf_counter() - start, choice
+
+        person = response_format('json_schema')
+        ask(person)  # checked and compiled: the checkers start
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            slow = [pool.submit(ask, {'type': 'json_schema', 'json_schema': {'name': f'slow{i}', 'schema': {
+                'type': 'string', 'pattern': f'^[a-z]{{1,{40_000 + i}}}$'}}}) for i in range(10)]
+            time.sleep(1)
+            checked_before, choice = ask(person)
+            assert choice.finish_reason == 'length'
+            small = response_format('json_schema', schema={'type': 'object', 'properties': {'x': {'type': 'integer'}},
+                                                           'required': ['x']})
+            new_small, choice = ask(small, max_tokens=32)
+            check_valid(choice.message.content, small)
+            print(f'\n[slow to parse] beside 10: a schema checked before {checked_before:.1f} s, a new small one '
+                  f'{new_small:.1f} s')
+            # (without the fix: the first waits for a thread, at least 9 s; the second for the checks of the slow
+            # ones queued before it, about 30 s)
+            assert checked_before < 6 and new_small < 14, (checked_before, new_small)
+            assert not all(future.done() for future in slow)
+            for future in slow:
+                with pytest.raises(openai.BadRequestError, match='longer than 10 s|wait already'):
+                    future.result()
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert traffic.health(base) == 200
+    finally:
+        stop_server(proc)

@@ -16,20 +16,25 @@ import torch
 import xgrammar as xgr
 
 from lmdeploy_guided_spec import (
+    GrammarCompileBusy,
     GrammarCompileError,
     GrammarCompilerUnavailable,
     GrammarCompileTimeout,
     GuidedSpecError,
     xgrammar_reason,
 )
+from lmdeploy_guided_spec import compile as compile_module
 from lmdeploy_guided_spec.compile import (
     COMPILE_TIMEOUT_ENV,
     MASK_LIMIT_ENV,
     MATCHER_LIMIT_ENV,
+    SLOW_CONVERSION_COST,
     GrammarCompileService,
+    conversion_cost,
     grammar_checker,
     grammar_cost,
     grammar_is_empty,
+    run_entry_check,
 )
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
@@ -380,6 +385,8 @@ def test_a_process_that_restarts_after_a_timeout_holds_no_job_back():
     xgrammar and torch). A job that arrives meanwhile goes to a process that is ready: it waited for that start."""
     with GrammarCompileService(None, timeout_s=20, max_workers=2) as checker:
         slow = checker.check('json_schema', SLOW_PATTERN, timeout_s=3)
+        while not slow.running():  # the first process has taken it (a job that does not look slow would go first)
+            time.sleep(0.05)
         # a job beside the slow one starts the second process, which stays ready
         assert checker.check('regex', 'beside[0-9]').result(timeout=60) is False
         with pytest.raises(GrammarCompileTimeout):
@@ -397,6 +404,81 @@ def test_a_process_that_restarts_after_a_timeout_holds_no_job_back():
         # and the first process serves again once it has started
         assert checker._children[0] is not None and checker._children[0].ready
         assert checker.check('regex', 'again[0-9]').result(timeout=60) is False
+
+
+def _slow(count: int) -> dict:
+    """A string schema whose pattern xgrammar converts for about ``(count / 5,000)²`` s (40,000: over a minute)."""
+    return {'type': 'string', 'pattern': f'^[a-z]{{1,{count}}}$'}
+
+
+def test_a_grammar_that_does_not_look_slow_is_not_held_up_by_slow_ones():
+    """Sources that parse up to the limit held every process, and every other new grammar waited for the limit. The
+    last process takes only sources that do not look slow to parse, and those go first."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=2) as checker:
+        slow = [checker.check('json_schema', _slow(40_000 + i)) for i in range(3)]
+        time.sleep(0.5)
+        start = time.perf_counter()
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False
+        waited = time.perf_counter() - start
+        assert waited < 15 and not any(future.done() for future in slow), waited
+
+
+def test_the_cost_estimate_tells_slow_patterns_from_real_schemas():
+    """Every schema of JSONSchemaBench looks fast to parse (the biggest count in their patterns is 255; the slowest
+    parses in 0.2 s); counted repetitions of thousands look slow."""
+    root = Path(__file__).resolve().parents[2]
+    folders = (root / 'benchmarks' / 'data' / 'forced_schemas', root.parent / 'shared' / 'data' / 'jsonschemabench')
+    schemas = [path for folder in folders for path in folder.rglob('*.json')]
+    assert len(schemas) >= 20
+    for path in schemas:
+        assert conversion_cost(path.read_text()) < SLOW_CONVERSION_COST, path
+    assert conversion_cost(json.dumps(_slow(2_000))) >= SLOW_CONVERSION_COST
+    assert conversion_cost(json.dumps({'type': 'string', 'pattern': '^(ab|cd){2000,}$'})) >= SLOW_CONVERSION_COST
+    assert conversion_cost(json.dumps(_slow(1_000))) < SLOW_CONVERSION_COST
+    assert conversion_cost(None) == conversion_cost('{"a": {"b": [1, {}]}}') == 0
+
+
+def test_sources_that_look_slow_queue_up_to_a_bound(monkeypatch):
+    """One more source that looks slow than :data:`SLOW_QUEUED` is refused at once, without a process spending time on
+    it, and it is not remembered: sent again once the queue is shorter, it is checked. Others are served meanwhile."""
+    monkeypatch.setattr(compile_module, 'SLOW_QUEUED', 2)
+    with GrammarCompileService(None, timeout_s=2, max_workers=1) as checker:
+        running = checker.check('json_schema', _slow(40_000))
+        while not running.running():  # its process has taken it
+            time.sleep(0.05)
+        queued = [checker.check('json_schema', _slow(40_001 + i)) for i in range(2)]
+        start = time.perf_counter()
+        with pytest.raises(GrammarCompileBusy, match='2 such grammars wait already'):
+            checker.check('json_schema', _slow(2_100)).result(timeout=1)
+        assert time.perf_counter() - start < 1 and not any(f.done() for f in [running, *queued])
+        # a grammar that does not look slow is not refused, and goes before the queued ones
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False
+        for future in [running, *queued]:
+            with pytest.raises(GrammarCompileTimeout):
+                future.result(timeout=60)
+        assert checker.check('json_schema', _slow(2_100), timeout_s=30).result(timeout=60) is False
+
+
+def test_entry_checks_wait_on_threads_of_their_own():
+    """A server's entry checks wait for the checker on threads of :func:`entry_check_executor`: many that wait leave
+    the loop's default executor to everything else, and one that does not wait is answered beside them."""
+    import asyncio
+    import threading
+
+    release = threading.Event()
+
+    async def main():
+        waiting = [asyncio.ensure_future(run_entry_check(release.wait, 30)) for _ in range(40)]
+        await asyncio.sleep(0.2)
+        start = time.perf_counter()
+        assert await run_entry_check(sum, [1, 2]) == 3
+        assert await asyncio.to_thread(sum, [3]) == 3
+        beside = time.perf_counter() - start
+        release.set()
+        assert all(await asyncio.gather(*waiting))
+        return beside
+
+    assert asyncio.run(main()) < 1
 
 
 def _starting(service: GrammarCompileService, slot: int) -> bool:
