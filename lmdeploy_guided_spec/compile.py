@@ -656,6 +656,8 @@ class GrammarCompileService:
         # slot 0 starts its process (again, after a kill) outside any job: a thread after it whose process is ready
         # takes jobs meanwhile instead of waiting seconds for that start
         self._starting = [False] * max_workers
+        # a slot has taken a job that looks slow to parse: the last slot, kept for the others, starts its process
+        self._slow_taken = False
         self._gate = threading.Condition()
         self._children: list[_Child | None] = [None] * max_workers
         self._local: xgr.GrammarCompiler | None = None
@@ -881,27 +883,37 @@ class GrammarCompileService:
         return kind, source, options
 
     def _serve(self, slot: int) -> None:
+        kept = 0 < slot == len(self._busy) - 1  # the slot kept for jobs that do not look slow
         while True:
-            if slot == 0 and self._children[slot] is None and not self._closed:
+            if (slot == 0 or (kept and self._slow_taken)) and self._children[slot] is None and not self._closed:
                 # start the first child before a job asks for it: a fresh interpreter takes seconds to import
                 # xgrammar (and torch with it), which would otherwise add to the first compile (and to the first
-                # after a kill). The others start with the first compile that overlaps
+                # after a kill). The others start with the first compile that overlaps, but the kept slot's with
+                # the first slow job: a job that arrives beside slow ones then finds it ready (a start beside slow
+                # parses that take every core took 20 s)
                 self._set_starting(slot, True)
                 try:
                     self._child(slot)
                 except GrammarCompilerUnavailable as exc:
+                    if kept:
+                        self._slow_taken = False  # tried again with the next slow job, not at once
                     if not self._closed:
                         # (a child that close() killed while it started is no failure)
                         logger.warning('%s; trying again with the next compile', exc)
                 finally:
                     self._set_starting(slot, False)
             with self._gate:
-                self._gate.wait_for(lambda: self._closed or self._next_job(slot) is not None)
+                self._gate.wait_for(lambda: self._closed or self._next_job(slot) is not None or (
+                    kept and self._slow_taken and self._children[slot] is None))
                 if self._closed:
                     return
                 job = self._next_job(slot)
+                if job is None:  # the kept slot starts its process
+                    continue
                 self._jobs.remove(job)
                 self._busy[slot] = True
+                if job.slow and not self._slow_taken:
+                    self._slow_taken = True
                 # the next thread takes a job only while this one is busy: it must look again now, or a job queued
                 # beside this one waits until this job ends (the whole limit, for a slow grammar)
                 self._gate.notify_all()
