@@ -561,6 +561,23 @@ def exact_pattern_automaton(pattern: str):
     return None
 
 
+# xgrammar 0.2.8's rule of the characters of a string with minLength or maxLength (``"\"" X{m,n} "\""``): it takes
+# a raw tab or any other control character (JSON refuses them, so the output is not JSON) and no escape. Replaced by
+# the characters a JSON string holds unescaped
+_BOUNDED_CHARACTERS = r'(([^\"\\\r\n]))'
+# (escapes as well, an alternative of the repeated rule, made a maxLength of 1000 compile for minutes instead of 7 s)
+_JSON_CHARACTER = r'(([^\0-\x1f\"\\]))'
+
+
+def _has_length_bounds(node) -> bool:
+    """Whether a JSON schema has a ``minLength`` or ``maxLength`` anywhere (keys of its objects)."""
+    if isinstance(node, list):
+        return any(_has_length_bounds(item) for item in node)
+    if isinstance(node, dict):
+        return 'minLength' in node or 'maxLength' in node or any(_has_length_bounds(v) for v in node.values())
+    return False
+
+
 def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
     """The EBNF text of ``xgr.Grammar.from_json_schema(schema, **options)`` with the rules of every ``pattern`` that
     xgrammar does not compile exactly (:func:`exact_pattern_automaton`) replaced by rules of the pattern's minimal
@@ -572,12 +589,17 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
     short escape (``\\n``, ``\\"``) or ``\\u00XX`` (as ``json.dumps(..., ensure_ascii=False)`` writes them), one
     rule per state, so a mask costs the same however long the string. Each such pattern is swapped in the schema for
     a placeholder pattern whose rule xgrammar writes on one line, then that line is replaced.
+
+    The characters of a string with ``minLength`` or ``maxLength`` are those a JSON string holds unescaped: any but a
+    control character, a quote or a backslash (xgrammar's rule of them takes raw control characters, which make the
+    output invalid JSON). Escapes stay out, as in xgrammar's rule.
     """
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
         patterns = _schema_patterns(parsed)
         exact = {p: a for p in sorted(patterns) if (a := exact_pattern_automaton(p)) is not None}
-        if not exact:
+        bounded = _has_length_bounds(parsed)
+        if not exact and not bounded:
             return None
         # a placeholder no string of the schema spells (a patternProperties key compiles to such a rule too)
         taken = _strings(parsed, set())
@@ -595,13 +617,18 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
     text = str(xgr.Grammar.from_json_schema(rewritten, **options))
     lines = text.splitlines()
     names = {line.split(' ::= ', 1)[0] for line in lines}
-    out = []
+    out, changed = [], False
     for line in lines:
         name, _, body = line.partition(' ::= ')
+        if bounded and body == _BOUNDED_CHARACTERS and name.endswith('_characters'):
+            out.append(f'{name} ::= {_JSON_CHARACTER}')
+            changed = True
+            continue
         automaton = rules.get(body)
         if automaton is None:
             out.append(line)
             continue
+        changed = True
         accepting, transitions = automaton
         prefix = f'{name}_exact'
         while any(n.startswith(prefix) for n in names):
@@ -609,7 +636,7 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
         states = [name] + [f'{prefix}{i}' for i in range(1, len(accepting))]
         names.update(states)
         out.extend(_rule_lines(accepting, transitions, states, _json_string_options))
-    return '\n'.join(out) + '\n'
+    return '\n'.join(out) + '\n' if changed else None
 
 
 def compile_json_schema(compiler: xgr.GrammarCompiler, schema: str | dict, **options) -> xgr.CompiledGrammar:

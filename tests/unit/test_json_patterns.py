@@ -151,3 +151,37 @@ def test_a_schema_without_such_patterns_is_xgrammars_own():
     assert regular.exact_patterns_grammar(schema) is None
     assert str(_compile(compiler, 'json_schema', schema, {}).grammar) == \
         str(compiler.compile_json_schema(schema).grammar)
+
+
+# (minLength, maxLength) of a string property, and values of every kind: control characters, quotes, backslashes,
+# characters beyond ASCII and beyond the BMP
+LENGTHS = [(None, 3), (2, None), (1, 4), (0, 0)]
+VALUES = ['', 'a', 'ab', 'abc', 'abcd', 'a\tb', 'a\nb', 'a"b', 'a\\b', '\x14', 'é', 'éé\x7f', '😀', 'a/b']
+
+
+@pytest.mark.parametrize('low, high', LENGTHS)
+def test_a_string_with_a_length_is_a_json_string(low, high):
+    """xgrammar 0.2.8 writes the characters of a string with ``minLength`` or ``maxLength`` as ``[^"\\\r\n]``: a
+    raw tab or control character (sampled output came back with a raw 0x14 and finish_reason ``stop``: not JSON).
+    The engine's compile accepts exactly the JSON texts of values of the right length that need no escape (escapes
+    stay out, as in xgrammar's rule: allowing them made a maxLength of 1000 compile for minutes)."""
+    bounds = {k: v for k, v in (('minLength', low), ('maxLength', high)) if v is not None}
+    schema = {'type': 'object', 'properties': {'s': {'type': 'string', **bounds}}, 'required': ['s'],
+              'additionalProperties': False}
+    matcher = _matcher(schema)
+
+    def expected(text: str) -> bool:
+        try:
+            value = json.loads(text)['s']
+        except ValueError:
+            return False  # a raw control character, a quote that ends the string early
+        fits = (low is None or len(value) >= low) and (high is None or len(value) <= high)
+        return fits and '\\' not in text
+
+    accepted = 0
+    for value in VALUES:
+        # escaped as json.dumps writes it (ASCII only, or as it is), and unescaped
+        for text in (json.dumps({'s': value}), json.dumps({'s': value}, ensure_ascii=False), '{"s": "' + value + '"}'):
+            assert _accepts(matcher, text) is expected(text), text
+            accepted += expected(text)
+    assert accepted >= 3
