@@ -58,7 +58,7 @@ __all__ = [
     'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
     'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
     'compile_timeout_s_from_env', 'grammar_is_empty', 'grammar_checker', 'conversion_cost', 'SLOW_CONVERSION_COST',
-    'SLOW_QUEUED', 'entry_check_executor', 'run_entry_check'
+    'SLOW_QUEUED', 'SLOW_QUEUED_ENV', 'slow_queued_from_env', 'entry_check_executor', 'run_entry_check'
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,9 +95,11 @@ PROBE_BUDGET_S = 2.0
 #: (xgrammar converts ``^[a-z]{1,2000}$`` of a JSON schema in 0.3 s, ``^(ab|cd){1,2000}$`` in about 1.5 s; the
 #: conversion grows as the square of the count). The patterns of JSONSchemaBench count up to 255.
 SLOW_CONVERSION_COST = 2000 ** 2
-#: Sources that look slow to parse a service queues at most; one more is refused at once
-#: (:class:`GrammarCompileBusy`), so that clients sending such sources cannot hold every waiting thread of a server.
+#: Sources that look slow to parse a service queues at most, unless ``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED`` says
+#: otherwise; one more is refused at once (:class:`GrammarCompileBusy`), so that clients sending such sources cannot
+#: hold every waiting thread of a server.
 SLOW_QUEUED = 16
+SLOW_QUEUED_ENV = 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED'
 
 _COUNTED = re.compile(r'\{\s*(\d{1,9})\s*(?:,\s*(\d{0,9})\s*)?\}')
 
@@ -110,6 +112,11 @@ def conversion_cost(source: str | None) -> int:
     if not source:
         return 0
     return sum(max(int(low), int(high or 0)) ** 2 for low, high in _COUNTED.findall(source))
+
+
+def slow_queued_from_env() -> int:
+    """``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``, else :data:`SLOW_QUEUED`; ``ValueError`` naming it."""
+    return positive_from_env(SLOW_QUEUED_ENV, SLOW_QUEUED, parse=int, kind='a whole number')
 
 
 def compile_timeout_s_from_env() -> float:
@@ -588,6 +595,10 @@ class GrammarCompileService:
         whose matcher grows bigger fails with :class:`GrammarCompileError` instead of taking the engine's memory.
         Defaults to the environment variable ``LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB``, else 64; ``inf`` turns
         this check off.
+    slow_queued : int, optional
+        Most jobs that look slow to parse (:func:`conversion_cost`) waiting at once; one more is refused at once with
+        :class:`GrammarCompileBusy`. Defaults to the environment variable ``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``,
+        else 16.
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
         grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
@@ -614,7 +625,7 @@ class GrammarCompileService:
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | str | None, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
                  transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None,
-                 matcher_limit_mb: float | None = None):
+                 matcher_limit_mb: float | None = None, slow_queued: int | None = None):
         if tokenizer_info is None:
             self._info = self._info_json = None
         elif isinstance(tokenizer_info, str):
@@ -638,6 +649,9 @@ class GrammarCompileService:
         if max_workers < 1 or max_threads < 1:
             raise ValueError(f'max_workers and max_threads must be >= 1, got {max_workers} and {max_threads}')
         self.cache_limit_bytes = cache_limit_bytes
+        self.slow_queued = int(slow_queued) if slow_queued is not None else slow_queued_from_env()
+        if self.slow_queued < 1:
+            raise ValueError(f'slow_queued must be >= 1, got {slow_queued!r}')
         self.max_threads = max_threads
         self.transfer_limit_bytes = transfer_limit_bytes
         self._lock = threading.Lock()
@@ -851,10 +865,10 @@ class GrammarCompileService:
             refused = None
             if self._closed:  # close() took the queue after the check above: nothing would take this job
                 refused = GrammarCompilerUnavailable('the grammar compile service was closed')
-            elif new.slow and sum(job.slow for job in self._jobs) >= SLOW_QUEUED:
+            elif new.slow and sum(job.slow for job in self._jobs) >= self.slow_queued:
                 refused = GrammarCompileBusy(
                     f'the {self._describe(new)} looks slow to parse (counted repetitions such as {{1,20000}} in its '
-                    f'patterns) and {SLOW_QUEUED} such grammars wait already; it was not started. Send it again '
+                    f'patterns) and {self.slow_queued} such grammars wait already; it was not started. Send it again '
                     f'later, or simplify its patterns')
             else:
                 self._jobs.append(new)

@@ -39,7 +39,7 @@ class GrammarCompileTimeout(GuidedSpecError, TimeoutError):
 
 class GrammarCompileBusy(GrammarCompileTimeout):
     """A grammar that looks slow to parse was refused without being started: as many such grammars wait already
-    (:data:`~lmdeploy_guided_spec.compile.SLOW_QUEUED`). Sent again later, it is served."""
+    (``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``, 16 by default). Sent again later, it is served."""
 
 
 class GrammarCompilerUnavailable(GuidedSpecError, RuntimeError):

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 from .errors import GuidedFieldError
 
-__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex']
+__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex', 'unserved_guided_field']
 
 # top-level request fields read here: vLLM's, then SGLang's
 GUIDED_FIELDS = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar', 'guided_decoding_backend',
@@ -47,6 +47,31 @@ _REGEX_SPECIAL = set('\\.^$*+?()[]{}|/-')
 _POINTER = 'send response_format instead'
 _GRAMMAR = ('grammar (EBNF) constraints are not supported by this server; describe the output with response_format '
             '{"type": "json_schema", ...} or {"type": "regex_schema", "regex_schema": ...} instead')
+
+
+#: keys of SGLang's ``sampling_params`` that constrain the output
+_SAMPLING_PARAMS_FIELDS = ('json_schema', 'regex', 'ebnf', 'structural_tag')
+
+
+def unserved_guided_field(body) -> str | None:
+    """The first field of a request body that asks for constrained output (``response_format`` other than text, a
+    field of :data:`GUIDED_FIELDS`, or a constraint in SGLang's ``sampling_params``), for an endpoint that does not
+    constrain its output (lmdeploy's ``/generate``), which would otherwise drop it without a word; None when there
+    is none."""
+    if not isinstance(body, Mapping):
+        return None
+    fmt = body.get('response_format')
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get('type', 'text') == 'text'):
+        return 'response_format'
+    for key in GUIDED_FIELDS:
+        if body.get(key) is not None:
+            return key
+    params = body.get('sampling_params')
+    if isinstance(params, Mapping):
+        for key in _SAMPLING_PARAMS_FIELDS:
+            if params.get(key) is not None:
+                return f'sampling_params.{key}'
+    return None
 
 
 def choice_regex(choices) -> str:

@@ -23,7 +23,6 @@ from lmdeploy_guided_spec import (
     GuidedSpecError,
     xgrammar_reason,
 )
-from lmdeploy_guided_spec import compile as compile_module
 from lmdeploy_guided_spec.compile import (
     COMPILE_TIMEOUT_ENV,
     MASK_LIMIT_ENV,
@@ -441,7 +440,7 @@ def test_the_cost_estimate_tells_slow_patterns_from_real_schemas():
 def test_sources_that_look_slow_queue_up_to_a_bound(monkeypatch):
     """One more source that looks slow than :data:`SLOW_QUEUED` is refused at once, without a process spending time on
     it, and it is not remembered: sent again once the queue is shorter, it is checked. Others are served meanwhile."""
-    monkeypatch.setattr(compile_module, 'SLOW_QUEUED', 2)
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED', '2')
     with GrammarCompileService(None, timeout_s=2, max_workers=1) as checker:
         running = checker.check('json_schema', _slow(40_000))
         while not running.running():  # its process has taken it

@@ -7,7 +7,7 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from lmdeploy_guided_spec.errors import GuidedFieldError
-from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields
+from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields, unserved_guided_field
 
 pytestmark = pytest.mark.unit
 
@@ -103,3 +103,20 @@ def test_refused(body, param, message):
 
 def test_choice_regex_escapes_only_special_characters():
     assert choice_regex(['a b', 'c.d']) == r'(a b|c\.d)'
+
+
+@pytest.mark.parametrize('body, field', [
+    ({'prompt': 'hi', 'response_format': {'type': 'json_object'}}, 'response_format'),
+    ({'prompt': 'hi', 'regex': '[0-9]{4}'}, 'regex'),
+    ({'prompt': 'hi', 'guided_json': {'type': 'object'}}, 'guided_json'),
+    ({'prompt': 'hi', 'structured_outputs': {'choice': ['a', 'b']}}, 'structured_outputs'),
+    ({'prompt': 'hi', 'sampling_params': {'json_schema': '{"type": "object"}'}}, 'sampling_params.json_schema'),
+    ({'prompt': 'hi', 'sampling_params': {'temperature': 0, 'ebnf': 'root ::= "a"'}}, 'sampling_params.ebnf'),
+    ({'prompt': 'hi'}, None),
+    ({'prompt': 'hi', 'response_format': {'type': 'text'}, 'regex': None}, None),
+    ({'prompt': 'hi', 'sampling_params': {'temperature': 0}}, None),
+    ('not a body', None),
+])
+def test_a_guided_field_where_output_is_not_constrained_is_named(body, field):
+    """lmdeploy's /generate drops fields it does not declare: a constraint there is refused by name, never ignored."""
+    assert unserved_guided_field(body) == field
