@@ -2,7 +2,8 @@
 
 xgrammar converts a JSON schema into a grammar. For some keywords the grammar it builds admits instances the schema
 forbids: the keyword is dropped (``not``, ``if``/``then``/``else``, ``uniqueItems``, ...), only partly translated
-(``oneOf`` becomes ``anyOf``; ``allOf`` of several schemas keeps the first's shape) or cannot be followed (a ``$ref``
+(``oneOf`` becomes ``anyOf``; ``allOf`` of several schemas makes the schema that holds it any JSON value, its own
+``type`` and ``required`` included) or cannot be followed (a ``$ref``
 outside the document). Output constrained by such a grammar may not satisfy the schema, with no error from the
 compiler. :func:`unenforced_keywords` finds these uses in a schema so that a server can refuse a strict request and
 warn about any other.

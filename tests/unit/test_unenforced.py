@@ -27,6 +27,10 @@ AB = {'a': {'type': 'integer'}, 'b': {'type': 'integer'}}
 # name: (schema, instance the schema forbids, what unenforced_keywords names)
 UNENFORCED = {
     'allOf': ({'allOf': [{'type': 'integer'}, {'type': 'integer', 'minimum': 5}]}, '3', 'allOf at #'),
+    # xgrammar 0.2.8 makes the whole object that holds the allOf any JSON value: its own type and required go too
+    'allOf beside type': ({'type': 'object', 'properties': {'a': {'type': 'integer'}}, 'required': ['a'],
+                           'allOf': [{'required': ['a']}, {'properties': {'a': {'minimum': 1}}}]}, '"a string"',
+                          'allOf at #'),
     'oneOf overlapping': ({'oneOf': [{'type': 'integer', 'minimum': 0}, {'type': 'integer', 'maximum': 10}]}, '5',
                           'oneOf at #'),
     'oneOf integer and number': ({'oneOf': [{'type': 'integer'}, {'type': 'number'}]}, '1', 'oneOf at #'),
