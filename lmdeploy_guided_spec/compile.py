@@ -662,6 +662,10 @@ class GrammarCompileService:
         self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError | _TimedOut] = \
             collections.OrderedDict()
         self._inflight: dict[tuple | bytes, concurrent.futures.Future] = {}
+        # callers of jobs that look slow to parse, by key (a caller usually holds a thread while it waits: copies of
+        # one slow source are one job but as many waiting threads), and their sum, bounded by twice slow_queued
+        self._sharers: dict[tuple | bytes, int] = {}
+        self._slow_waiters = 0
         # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
         # first takes a job only while all before it are busy, so its process starts only when compiles overlap
         # (each costs about 240 MB, most of it torch)
@@ -857,9 +861,22 @@ class GrammarCompileService:
                     future.set_result(value)
                 return future
             inflight = self._inflight.get(key)
-            if inflight is not None:
+            if inflight is not None and key not in self._sharers:
                 return inflight
-            new = job()
+            new = job() if inflight is None else None
+            if key in self._sharers or new.slow:
+                if self._slow_waiters >= 2 * self.slow_queued:
+                    future = concurrent.futures.Future()
+                    future.set_exception(GrammarCompileBusy(
+                        f'the {self._describe(new) if new is not None else "grammar"} looks slow to parse (counted '
+                        f'repetitions such as {{1,20000}} in its patterns) and {self._slow_waiters} requests wait '
+                        f'for such grammars already; it was not started. Send it again later, or simplify its '
+                        f'patterns'))
+                    return future
+                self._sharers[key] = self._sharers.get(key, 0) + 1
+                self._slow_waiters += 1
+                if inflight is not None:
+                    return inflight
             self._inflight[key] = new.future
         with self._gate:
             refused = None
@@ -908,9 +925,10 @@ class GrammarCompileService:
                 self._set_starting(slot, True)
                 try:
                     self._child(slot)
-                except GrammarCompilerUnavailable as exc:
+                except Exception as exc:  # noqa: BLE001 - also OSError of a full process table: the thread serves on
                     if kept:
-                        self._slow_taken = False  # tried again with the next slow job, not at once
+                        with self._gate:
+                            self._slow_taken = False  # tried again with the next slow job, not at once
                     if not self._closed:
                         # (a child that close() killed while it started is no failure)
                         logger.warning('%s; trying again with the next compile', exc)
@@ -967,7 +985,7 @@ class GrammarCompileService:
             return
         if not job.future.set_running_or_notify_cancel():
             with self._lock:
-                self._inflight.pop(job.key, None)
+                self._release(job.key)
             return
         try:
             result = self._run(slot, job)
@@ -1058,7 +1076,7 @@ class GrammarCompileService:
     def _finish(self, job: _Job, *, result: xgr.CompiledGrammar | bool | None = None,
                 error: BaseException | None = None) -> None:
         with self._lock:
-            self._inflight.pop(job.key, None)
+            self._release(job.key)
             if job.check_timeout_s is None:
                 if error is None:
                     self._remember(job.key, result)
@@ -1074,6 +1092,11 @@ class GrammarCompileService:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
+
+    def _release(self, key) -> None:
+        """Forget the job of ``key`` in flight and its callers (under ``_lock``)."""
+        self._inflight.pop(key, None)
+        self._slow_waiters -= self._sharers.pop(key, 0)
 
     def _remember_check(self, key: bytes, answer) -> None:
         self._checked[key] = answer

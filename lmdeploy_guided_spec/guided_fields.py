@@ -49,6 +49,11 @@ _GRAMMAR = ('grammar (EBNF) constraints are not supported by this server; descri
             '{"type": "json_schema", ...} or {"type": "regex_schema", "regex_schema": ...} instead')
 
 
+# guided fields (and structured_outputs keys) that set how a constraint is served, not a constraint
+_SETTINGS = ('guided_decoding_backend', 'guided_whitespace_pattern')
+_STRUCTURED_SETTINGS = ('backend', 'whitespace_pattern', 'disable_any_whitespace', 'disable_fallback',
+                        'disable_additional_properties')
+
 #: keys of SGLang's ``sampling_params`` that constrain the output
 _SAMPLING_PARAMS_FIELDS = ('json_schema', 'regex', 'ebnf', 'structural_tag')
 
@@ -64,8 +69,12 @@ def unserved_guided_field(body) -> str | None:
     if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get('type', 'text') == 'text'):
         return 'response_format'
     for key in GUIDED_FIELDS:
-        if body.get(key) is not None:
-            return key
+        value = body.get(key)
+        if value is None or key in _SETTINGS:
+            continue
+        if key == 'structured_outputs' and isinstance(value, Mapping) and not set(value) - set(_STRUCTURED_SETTINGS):
+            continue
+        return key
     params = body.get('sampling_params')
     if isinstance(params, Mapping):
         for key in _SAMPLING_PARAMS_FIELDS:

@@ -617,18 +617,16 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
     text = str(xgr.Grammar.from_json_schema(rewritten, **options))
     lines = text.splitlines()
     names = {line.split(' ::= ', 1)[0] for line in lines}
-    out, changed = [], False
+    out = []
     for line in lines:
         name, _, body = line.partition(' ::= ')
         if bounded and body == _BOUNDED_CHARACTERS and name.endswith('_characters'):
             out.append(f'{name} ::= {_JSON_CHARACTER}')
-            changed = True
             continue
         automaton = rules.get(body)
         if automaton is None:
             out.append(line)
             continue
-        changed = True
         accepting, transitions = automaton
         prefix = f'{name}_exact'
         while any(n.startswith(prefix) for n in names):
@@ -636,7 +634,8 @@ def exact_patterns_grammar(schema: str | dict, **options) -> str | None:
         states = [name] + [f'{prefix}{i}' for i in range(1, len(accepting))]
         names.update(states)
         out.extend(_rule_lines(accepting, transitions, states, _json_string_options))
-    return '\n'.join(out) + '\n' if changed else None
+    # the text, once made, even where no rule changed: converting the schema again would cost the same again
+    return '\n'.join(out) + '\n'
 
 
 def compile_json_schema(compiler: xgr.GrammarCompiler, schema: str | dict, **options) -> xgr.CompiledGrammar:

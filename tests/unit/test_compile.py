@@ -458,6 +458,30 @@ def test_sources_that_look_slow_queue_up_to_a_bound(monkeypatch):
         assert checker.check('json_schema', _slow(2_100), timeout_s=30).result(timeout=60) is False
 
 
+def test_copies_of_one_slow_source_wait_up_to_a_bound(monkeypatch):
+    """Copies of one source that looks slow are one job, but each caller holds a waiting thread (a server's entry
+    check): they could take every thread of its entry checks. Callers of slow jobs are bounded by twice
+    ``SLOW_QUEUED``; one more is refused at once, and the bound is given back when the job ends."""
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED', '2')
+    with GrammarCompileService(None, timeout_s=2, max_workers=1) as checker:
+        same = [checker.check('json_schema', _slow(40_000)) for _ in range(4)]
+        assert len({id(future) for future in same}) == 1
+        start = time.perf_counter()
+        with pytest.raises(GrammarCompileBusy, match='4 requests wait'):
+            checker.check('json_schema', _slow(40_000)).result(timeout=1)
+        with pytest.raises(GrammarCompileBusy):
+            checker.check('json_schema', _slow(40_001)).result(timeout=1)
+        assert time.perf_counter() - start < 1
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False
+        with pytest.raises(GrammarCompileTimeout):
+            same[0].result(timeout=60)
+        assert checker._slow_waiters == 0 and not checker._sharers
+        # the answer of the copies is remembered (a timeout, not a refusal for being busy)
+        with pytest.raises(GrammarCompileTimeout) as again:
+            checker.check('json_schema', _slow(40_000)).result(timeout=1)
+        assert not isinstance(again.value, GrammarCompileBusy)
+
+
 def test_entry_checks_wait_on_threads_of_their_own():
     """A server's entry checks wait for the checker on threads of :func:`entry_check_executor`: many that wait leave
     the loop's default executor to everything else, and one that does not wait is answered beside them."""

@@ -115,6 +115,8 @@ def test_choice_regex_escapes_only_special_characters():
     ({'prompt': 'hi'}, None),
     ({'prompt': 'hi', 'response_format': {'type': 'text'}, 'regex': None}, None),
     ({'prompt': 'hi', 'sampling_params': {'temperature': 0}}, None),
+    ({'prompt': 'hi', 'guided_decoding_backend': 'xgrammar'}, None),  # how, not what
+    ({'prompt': 'hi', 'structured_outputs': {'backend': 'xgrammar'}}, None),
     ('not a body', None),
 ])
 def test_a_guided_field_where_output_is_not_constrained_is_named(body, field):
