@@ -1,0 +1,95 @@
+"""Requests whose grammars take minutes to parse, many at once, against a real api_server on the CPU path (the openai
+client): they hold up no other request, those past the queue's bound are refused at once with HTTP 429, and a
+checker process that dies under a check is HTTP 503. A module of its own: its server runs while no other test's
+server does (three servers and the test process outgrew the CI machine's memory)."""
+import concurrent.futures
+import os
+import signal
+import time
+
+import openai
+import server_traffic as traffic
+from e2e_helpers import check_valid, response_format, start_server, stop_server
+
+
+def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
+    """Ten requests whose schemas take minutes to parse, each its own, at once: each holds a check of the server for up
+    to the compile limit (20 s here). A request whose schema was checked before waited 55 s behind them (the
+    checks waited on the event loop's default executor: 6 threads on two cores), one with a new small schema 28 s
+    (every checker process held a slow one). Now both are answered within seconds; the slow ones past the queue's
+    bound (4 here) are refused at once with HTTP 429 (sent again later, they are checked), the others with HTTP
+    400 at the limit. Then a checker process dies under a check: HTTP 503 with OpenAI's error body (it was a
+    plain-text 500), and the server checks the next request."""
+    from lmdeploy_guided_spec.testing import environ
+    log = tmp_path / 'server.log'
+    with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '20', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '4'}):
+        proc, base = start_server([], log, max_batch_size=16)
+    try:
+        client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+        model = client.models.list().data[0].id
+        messages = [{'role': 'user', 'content': 'A person, please.'}]
+
+        def ask(fmt, max_tokens=8):
+            start = time.perf_counter()
+            choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                    max_tokens=max_tokens, temperature=0).choices[0]
+            return time.perf_counter() - start, choice
+
+        def slow(count: int) -> dict:
+            return {'type': 'json_schema', 'json_schema': {'name': f'slow{count}', 'schema': {
+                'type': 'string', 'pattern': f'^[a-z]{{1,{count}}}$'}}}
+
+        def timed(fmt):
+            start = time.perf_counter()
+            try:
+                ask(fmt)
+            except openai.APIStatusError as err:
+                return time.perf_counter() - start, err
+            raise AssertionError(f'{fmt} was served')
+
+        person = response_format('json_schema')
+        ask(person)  # checked and compiled: the checkers start
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            slow_ones = [pool.submit(timed, slow(40_000 + i)) for i in range(10)]
+            time.sleep(1)
+            checked_before, choice = ask(person)
+            assert choice.finish_reason == 'length'
+            small = response_format('json_schema', schema={'type': 'object', 'properties': {'x': {'type': 'integer'}},
+                                                           'required': ['x']})
+            new_small, choice = ask(small, max_tokens=32)
+            check_valid(choice.message.content, small)
+            print(f'\n[slow to parse] beside 10: a schema checked before {checked_before:.1f} s, a new small one '
+                  f'{new_small:.1f} s')
+            # (without the fix: the first waits for a thread, at least 19 s; the second for the checks of the slow
+            # ones queued before it, about 40 s)
+            assert checked_before < 10 and new_small < 16, (checked_before, new_small)
+            answers = [future.result() for future in slow_ones]
+        busy = [seconds for seconds, err in answers if err.status_code == 429]
+        assert 1 <= len(busy) <= 6 and max(busy) < 5, answers
+        for _, err in answers:
+            if err.status_code == 429:
+                assert 'wait already' in err.message and err.body['type'], err.body
+            else:
+                assert err.status_code == 400 and 'longer than 20 s' in err.message, err
+        # a process of the server's checker dies under a check: the server's fault, HTTP 503 (OpenAI's clients send
+        # it again), and the next check starts a fresh process
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            dying = pool.submit(timed, slow(50_000))
+            time.sleep(3)
+            # the checker's processes name the process they serve last on their command line
+            checkers = [pid for pid in traffic.group_processes(os.getpgid(proc.pid))
+                        if '_child_main' in (cmd := traffic.proc_text(pid, 'cmdline'))
+                        and cmd.split()[-1] == str(proc.pid)]
+            assert checkers
+            for pid in checkers:
+                os.kill(pid, signal.SIGKILL)
+            _, err = dying.result()
+        assert err.status_code == 503 and 'could not be checked' in err.message, err
+        assert err.body['type'] and err.body['message'], err.body
+        other = {'type': 'object', 'properties': {'y': {'type': 'integer'}}, 'required': ['y']}
+        _, choice = ask(response_format('json_schema', schema=other), max_tokens=32)
+        assert choice.finish_reason == 'stop'
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert traffic.health(base) == 200
+    finally:
+        stop_server(proc)
