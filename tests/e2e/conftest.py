@@ -56,3 +56,12 @@ def engines(cpu_path):
     pool = Engines()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope='module')
+def no_session_pipelines(engines):
+    """Close the session's pipelines before a module that runs api_servers: each holds its engine and a grammar
+    compiler process (about 0.5 GB together, 33 of them by then), and with the servers' processes beside them the
+    test process outgrew the CI machine's 24 GB (the kernel killed pytest). Later modules build what they use again."""
+    engines.close()
+    yield

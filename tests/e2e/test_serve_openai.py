@@ -17,6 +17,9 @@ import openai
 import pytest
 from e2e_helpers import CODE_REGEX, PERSON, check_valid, start_server, stop_server
 
+# the session's pipelines are closed first: with this module's servers beside them they outgrew the machine
+pytestmark = pytest.mark.usefixtures('no_session_pipelines')
+
 JSON_SCHEMA = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}}
 JSON_OBJECT = {'type': 'json_object'}
 # lmdeploy's extension of the OpenAI response_format

@@ -8,8 +8,12 @@ import signal
 import time
 
 import openai
+import pytest
 import server_traffic as traffic
 from e2e_helpers import check_valid, response_format, start_server, stop_server
+
+# the session's pipelines are closed first: with this module's servers beside them they outgrew the machine
+pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 
 
 def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
