@@ -3,6 +3,7 @@ client): they hold up no other request, those past the queue's bound are refused
 checker process that dies under a check is HTTP 503. A module of its own: its server runs while no other test's
 server does (three servers and the test process outgrew the CI machine's memory)."""
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -76,18 +77,24 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
             else:
                 assert err.status_code == 400 and 'longer than 20 s' in err.message, err
         # a process of the server's checker dies under a check: the server's fault, HTTP 503 (OpenAI's clients send
-        # it again), and the next check starts a fresh process
+        # it again), and the next check starts a fresh process. The checker's processes are killed until the
+        # request is answered: the check may not have reached a process yet (a process that a timeout above
+        # stopped starts again in seconds on a busy machine, and a fresh one takes the check after a kill)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             dying = pool.submit(timed, slow(50_000))
-            time.sleep(3)
-            # the checker's processes name the process they serve last on their command line
-            checkers = [pid for pid in traffic.group_processes(os.getpgid(proc.pid))
-                        if '_child_main' in (cmd := traffic.proc_text(pid, 'cmdline'))
-                        and cmd.split()[-1] == str(proc.pid)]
-            assert checkers
-            for pid in checkers:
-                os.kill(pid, signal.SIGKILL)
-            _, err = dying.result()
+            deadline = time.monotonic() + 60
+            killed = 0
+            while not dying.done() and time.monotonic() < deadline:
+                time.sleep(2)
+                # the checker's processes name the process they serve last on their command line
+                for pid in traffic.group_processes(os.getpgid(proc.pid)):
+                    cmd = traffic.proc_text(pid, 'cmdline')
+                    if '_child_main' in cmd and cmd.split()[-1] == str(proc.pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                            killed += 1
+            _, err = dying.result(timeout=60)
+        assert killed, 'no checker process was found'
         assert err.status_code == 503 and 'could not be checked' in err.message, err
         assert err.body['type'] and err.body['message'], err.body
         other = {'type': 'object', 'properties': {'y': {'type': 'integer'}}, 'required': ['y']}
