@@ -524,6 +524,8 @@ class _Job:
     #: the source looks slow to parse (:func:`conversion_cost`): it waits behind other jobs and never takes the
     #: last process, which stays free for the others
     slow: bool = field(init=False)
+    #: when it was queued (``time.monotonic``): a slow job that waited longer than the limit goes first
+    queued_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
         self.slow = conversion_cost(self.source) >= SLOW_CONVERSION_COST
@@ -607,8 +609,8 @@ class GrammarCompileService:
     max_workers : int
         Compiler processes (compiles that run at the same time). One slow schema then holds one worker until its
         limit while the others keep compiling. The first process starts with the service, the others with the
-        first compile that arrives while all before them are busy. While the first starts again after a kill, a
-        compile that arrives goes to another process that is ready.
+        first compile that arrives while all before them are busy. A compile goes to a process that is ready
+        before one that would have to start (the first's again after a kill, or a later one).
     transfer_limit_bytes : int
         Biggest grammar the child sends back serialized; a bigger one is compiled again in the parent, which is
         faster than its JSON round trip (see the module docstring).
@@ -867,11 +869,7 @@ class GrammarCompileService:
             if key in self._sharers or new.slow:
                 if self._slow_waiters >= 2 * self.slow_queued:
                     future = concurrent.futures.Future()
-                    future.set_exception(GrammarCompileBusy(
-                        f'the {self._describe(new) if new is not None else "grammar"} looks slow to parse (counted '
-                        f'repetitions such as {{1,20000}} in its patterns) and {self._slow_waiters} requests wait '
-                        f'for such grammars already; it was not started. Send it again later, or simplify its '
-                        f'patterns'))
+                    future.set_exception(self._refusal(new, f'{self._slow_waiters} requests wait for such grammars'))
                     return future
                 self._sharers[key] = self._sharers.get(key, 0) + 1
                 self._slow_waiters += 1
@@ -883,16 +881,21 @@ class GrammarCompileService:
             if self._closed:  # close() took the queue after the check above: nothing would take this job
                 refused = GrammarCompilerUnavailable('the grammar compile service was closed')
             elif new.slow and sum(job.slow for job in self._jobs) >= self.slow_queued:
-                refused = GrammarCompileBusy(
-                    f'the {self._describe(new)} looks slow to parse (counted repetitions such as {{1,20000}} in its '
-                    f'patterns) and {self.slow_queued} such grammars wait already; it was not started. Send it again '
-                    f'later, or simplify its patterns')
+                refused = self._refusal(new, f'{self.slow_queued} such grammars')
             else:
                 self._jobs.append(new)
                 self._gate.notify_all()
         if refused is not None:
             self._finish(new, error=refused)
         return new.future
+
+    def _refusal(self, job: _Job | None, waiting: str) -> GrammarCompileBusy:
+        """The refusal of ``job`` (None: a copy of a job in flight), which looks slow to parse, while ``waiting``
+        (who waits, and how many) wait already."""
+        what = 'grammar' if job is None else self._describe(job)
+        return GrammarCompileBusy(
+            f'the {what} looks slow to parse (counted repetitions such as {{1,20000}} in its patterns) and {waiting} '
+            f'wait already; it was not started. Send it again later, or simplify its patterns')
 
     @staticmethod
     def _normalize(kind: str, source, options: dict) -> tuple[str, str | None, dict]:
@@ -914,7 +917,7 @@ class GrammarCompileService:
         return kind, source, options
 
     def _serve(self, slot: int) -> None:
-        kept = 0 < slot == len(self._busy) - 1  # the slot kept for jobs that do not look slow
+        kept = self._kept(slot)
         while True:
             if (slot == 0 or (kept and self._slow_taken)) and self._children[slot] is None and not self._closed:
                 # start the first child before a job asks for it: a fresh interpreter takes seconds to import
@@ -959,20 +962,41 @@ class GrammarCompileService:
     def _next_job(self, slot: int) -> _Job | None:
         """The job ``slot`` takes now (under ``_gate``), or None: the first that does not look slow to parse, else
         the first; none for the last of several slots, which is kept for the jobs that do not look slow (a few
-        sources that parse for the whole limit then delay no other grammar)."""
+        sources that parse for the whole limit then delay no other grammar). A slow job that has waited longer
+        than the limit goes first, so that steady traffic of others does not hold it back for ever (they keep the
+        last slot). A slot whose process is not ready leaves the job to a later one whose process is ready and
+        idle (the kept slot's, started with the first slow job): its start would take seconds."""
         if not self._jobs or not self._may_take(slot):
             return None
+        job = self._choose(slot)
+        if job is not None and not self._ready(slot) and any(
+                not self._busy[later] and self._ready(later) and not (job.slow and self._kept(later))
+                for later in range(slot + 1, len(self._busy))):
+            return None
+        return job
+
+    def _choose(self, slot: int) -> _Job | None:
+        first = self._jobs[0]
+        if first.slow and not self._kept(slot) and time.monotonic() - first.queued_at > self.timeout_s:
+            return first
         for job in self._jobs:
             if not job.slow:
                 return job
-        return None if 0 < slot == len(self._busy) - 1 else self._jobs[0]
+        return None if self._kept(slot) else first
+
+    def _ready(self, slot: int) -> bool:
+        child = self._children[slot]
+        return child is not None and child.ready
+
+    def _kept(self, slot: int) -> bool:
+        """Whether ``slot`` is the one kept for jobs that do not look slow: the last of several."""
+        return 0 < slot == len(self._busy) - 1
 
     def _may_take(self, slot: int) -> bool:
-        """Whether ``slot`` takes the next job (under ``_gate``): while every slot before it is busy, or starting
-        its process where this slot's is ready."""
-        child = self._children[slot]
-        ready = child is not None and child.ready
-        return all(self._busy[i] or (ready and self._starting[i]) for i in range(slot))
+        """Whether ``slot`` takes the next job (under ``_gate``): while every slot before it is busy, or where this
+        slot's process is ready, starting its process or without one."""
+        ready = self._ready(slot)
+        return all(self._busy[i] or (ready and (self._starting[i] or not self._ready(i))) for i in range(slot))
 
     def _set_starting(self, slot: int, starting: bool) -> None:
         with self._gate:

@@ -1,6 +1,7 @@
 """GrammarCompileService: compiles in a killable child process, with a time limit and a bounded cache, and the
 caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgrammar."""
 import concurrent.futures
+import itertools
 import json
 import os
 import re
@@ -422,6 +423,26 @@ def test_a_grammar_that_does_not_look_slow_is_not_held_up_by_slow_ones():
         assert waited < 15 and not any(future.done() for future in slow), waited
 
 
+def _ready(checker: GrammarCompileService, slot: int) -> bool:
+    child = checker._children[slot]
+    return child is not None and child.ready
+
+
+def test_a_grammar_beside_a_slow_one_goes_to_a_process_that_is_ready():
+    """Three processes, one slow source parsing: a grammar that does not look slow went to the second slot, whose
+    process had yet to start (seconds: a fresh interpreter imports xgrammar and torch), while the last slot's,
+    started with the first slow job, was ready and idle. It goes to the ready one, and the second starts nothing."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=3) as checker:
+        slow = checker.check('json_schema', _slow(40_000))
+        deadline = time.monotonic() + 60
+        while not (slow.running() and _ready(checker, 2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.perf_counter()
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False
+        waited = time.perf_counter() - start
+        assert waited < 1.0 and checker._children[1] is None and not slow.done(), waited
+
+
 def test_the_cost_estimate_tells_slow_patterns_from_real_schemas():
     """Every schema of JSONSchemaBench looks fast to parse (the biggest count in their patterns is 255; the slowest
     parses in 0.2 s); counted repetitions of thousands look slow."""
@@ -480,6 +501,44 @@ def test_copies_of_one_slow_source_wait_up_to_a_bound(monkeypatch):
         with pytest.raises(GrammarCompileTimeout) as again:
             checker.check('json_schema', _slow(40_000)).result(timeout=1)
         assert not isinstance(again.value, GrammarCompileBusy)
+
+
+def test_steady_traffic_of_others_holds_a_slow_source_back_no_longer_than_the_limit():
+    """Jobs that do not look slow go first: under steady traffic of them (more callers than processes) one that looks
+    slow waited for as long as the traffic lasted. Once it has waited longer than the limit it goes first; the
+    others keep the last process meanwhile."""
+    import threading
+
+    stop = threading.Event()
+    served = []
+
+    def traffic(caller: int) -> None:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            schema = {'type': 'object', 'properties': {f'p{caller}_{n}': {'type': 'integer'}}}
+            assert checker.check('json_schema', schema).result(timeout=60) is False
+            served.append(time.perf_counter())
+
+    with GrammarCompileService(None, timeout_s=3, max_workers=2) as checker:
+        assert checker.check('json_schema', NESTED).result(timeout=60) is False  # the first process is ready
+        callers = [threading.Thread(target=traffic, args=(caller,)) for caller in range(6)]
+        for thread in callers:
+            thread.start()
+        try:
+            time.sleep(1)
+            start = time.perf_counter()
+            slow = checker.check('json_schema', _slow(2_100))  # parses in a fraction of a second
+            done = concurrent.futures.wait([slow], timeout=20).done
+            waited = time.perf_counter() - start
+            during = sum(at > start for at in served)
+        finally:
+            stop.set()
+            for thread in callers:
+                thread.join(60)
+        assert done and slow.result() is False, waited
+        # (the traffic went on beside it: the last process served the others)
+        assert waited < 15 and during > 20, (waited, during)
 
 
 def test_entry_checks_wait_on_threads_of_their_own():
