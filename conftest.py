@@ -209,6 +209,12 @@ pytest_collect_file = Sybil(
 ).pytest()
 
 
+def pytest_addoption(parser):  # the one_method mark of tests/conftest.py
+    parser.addoption('--every-method', action='store_true',
+                     help='run every speculative method of the tests marked one_method, not only those their mark '
+                          'names for the lmdeploy release installed')
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))

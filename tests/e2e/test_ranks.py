@@ -102,6 +102,7 @@ def _check_drafts_agree(directory, failing: str | None = None) -> int:
     return len(verified[0])
 
 
+@pytest.mark.one_method({'0.18': ['eagle3', 'deepseek_mtp'], '0.14': ['grammar']})
 @pytest.mark.parametrize('method', list(METHODS))
 def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     target, draft = METHODS[method]
@@ -314,6 +315,7 @@ def _traffic(n: int) -> tuple[list[str], list]:
 
 # eagle3 and deepseek_mtp (drafts of a model) leave and clean up the same state: deepseek_mtp stands for both here;
 # eagle3 on tp=2 runs in test_tp2_guided_speculative_equals_tp1 and test_tp2_server_traffic
+@pytest.mark.one_method({'0.18': ['grammar'], '0.14': ['deepseek_mtp']})
 @pytest.mark.parametrize('method', ['deepseek_mtp', 'grammar'])
 def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
     """tp=2: after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers, kept
@@ -364,6 +366,7 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
         pipe.close()
 
 
+@pytest.mark.one_method({'0.18': ['eagle3'], '0.14': ['deepseek_mtp']})
 @pytest.mark.parametrize('method', ['deepseek_mtp', 'eagle3'])
 def test_tp2_server_traffic(cpu_path, method, tmp_path):
     """``lmdeploy serve api_server --tp 2`` with ``deepseek_mtp`` or ``eagle3`` (both ranks draft; rank 1 follows rank
@@ -537,6 +540,7 @@ class DPEngines:
 
 # a draft-model method and the draft-free one: each dp=2 start costs minutes on two cores, and deepseek_mtp and
 # no speculation take the same paths through the dummy forwards as eagle3 (they passed when last run by hand)
+@pytest.mark.one_method({'0.18': ['grammar'], '0.14': ['eagle3']})
 @pytest.mark.parametrize('method', ['eagle3', 'grammar'])
 def test_dp2_idle_rank_then_both_serve(engines, method, tmp_path):
     """dp rank 1 gets no request (its engine runs lmdeploy's dummy forwards) while dp rank 0 serves guided and
