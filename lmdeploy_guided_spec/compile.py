@@ -1041,6 +1041,12 @@ class GrammarCompileService:
         return 'builtin JSON grammar' if job.source is None else f'{job.kind} grammar ({len(job.source):,} bytes)'
 
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
+        idle = self._children[slot]
+        if idle is not None and idle.process.poll() is not None:
+            # it died while it waited (the OOM killer picks big processes): not this job's fault, a fresh one takes it
+            logger.warning('a grammar compiler process died while idle (exit code %s); starting a fresh one',
+                           idle.process.returncode)
+            self._drop_child(slot)
         child = self._child(slot)
         checks = job.check_timeout_s is not None
         doing, limit = ('checking', job.check_timeout_s) if checks else ('compiling', self.timeout_s)

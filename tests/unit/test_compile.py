@@ -350,6 +350,18 @@ def test_a_compile_service_checks_under_its_own_limit(service):
     assert service.compile('json_schema', NESTED) is not None
 
 
+def test_a_process_that_died_while_idle_is_replaced_before_a_job():
+    """A compiler process that died while it waited for a job (the kernel's OOM killer picks big processes) failed
+    the next job as the server's fault (HTTP 503), a job it had never seen: a fresh process takes it instead."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=1) as checker:
+        assert checker.check('regex', 'first[0-9]').result(timeout=60) is False
+        dead = checker._children[0].process
+        dead.kill()
+        dead.wait()
+        assert checker.check('regex', 'second[0-9]').result(timeout=60) is False
+        assert checker._children[0].process is not dead
+
+
 def test_a_closed_checker_is_replaced_and_a_dead_one_is_the_servers_fault():
     """A checker closed under a server (its processes killed, at exit, by a test) is not the request's problem: the
     next check starts a fresh checker; a check whose process dies says so, as a fault of the server."""
