@@ -1019,7 +1019,14 @@ class GrammarCompileService:
             self._finish(job, result=result)
 
     def _child(self, slot: int) -> _Child:
+        """``slot``'s process, started where it has none or its process died while idle (the OOM killer picks big
+        processes: not the next job's fault)."""
         child = self._children[slot]
+        if child is not None and child.process.poll() is not None:
+            logger.warning('a grammar compiler process died while idle (exit code %s); starting a fresh one',
+                           child.process.returncode)
+            self._drop_child(slot)
+            child = None
         if child is None:
             with self._lock:
                 if self._closed:
@@ -1041,12 +1048,6 @@ class GrammarCompileService:
         return 'builtin JSON grammar' if job.source is None else f'{job.kind} grammar ({len(job.source):,} bytes)'
 
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
-        idle = self._children[slot]
-        if idle is not None and idle.process.poll() is not None:
-            # it died while it waited (the OOM killer picks big processes): not this job's fault, a fresh one takes it
-            logger.warning('a grammar compiler process died while idle (exit code %s); starting a fresh one',
-                           idle.process.returncode)
-            self._drop_child(slot)
         child = self._child(slot)
         checks = job.check_timeout_s is not None
         doing, limit = ('checking', job.check_timeout_s) if checks else ('compiling', self.timeout_s)

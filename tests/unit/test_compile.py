@@ -435,11 +435,6 @@ def test_a_grammar_that_does_not_look_slow_is_not_held_up_by_slow_ones():
         assert waited < 15 and not any(future.done() for future in slow), waited
 
 
-def _ready(checker: GrammarCompileService, slot: int) -> bool:
-    child = checker._children[slot]
-    return child is not None and child.ready
-
-
 def test_a_grammar_beside_a_slow_one_goes_to_a_process_that_is_ready():
     """Three processes, one slow source parsing: a grammar that does not look slow went to the second slot, whose
     process had yet to start (seconds: a fresh interpreter imports xgrammar and torch), while the last slot's,
@@ -447,7 +442,7 @@ def test_a_grammar_beside_a_slow_one_goes_to_a_process_that_is_ready():
     with GrammarCompileService(None, timeout_s=20, max_workers=3) as checker:
         slow = checker.check('json_schema', _slow(40_000))
         deadline = time.monotonic() + 60
-        while not (slow.running() and _ready(checker, 2)) and time.monotonic() < deadline:
+        while not (slow.running() and checker._ready(2)) and time.monotonic() < deadline:
             time.sleep(0.05)
         start = time.perf_counter()
         assert checker.check('json_schema', NESTED).result(timeout=60) is False
