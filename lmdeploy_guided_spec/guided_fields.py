@@ -24,6 +24,8 @@ field                                     response_format
 
 ``guided_decoding_backend`` / ``structured_outputs.backend`` may say ``xgrammar`` or ``auto`` (the grammar compiler
 is xgrammar); ``structured_outputs.disable_any_whitespace: true`` asks for the ``single`` whitespace of JSON output.
+For an endpoint that takes SGLang's ``sampling_params`` object (``/generate``), its ``json_schema`` and ``regex`` are
+read as the top-level fields are (``sampling_params=True``); its ``ebnf`` and ``structural_tag`` are refused.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from collections.abc import Mapping
 
 from .errors import GuidedFieldError
 
-__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex', 'unserved_guided_field']
+__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex']
 
 # top-level request fields read here: vLLM's, then SGLang's
 GUIDED_FIELDS = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar', 'guided_decoding_backend',
@@ -49,38 +51,8 @@ _GRAMMAR = ('grammar (EBNF) constraints are not supported by this server; descri
             '{"type": "json_schema", ...} or {"type": "regex_schema", "regex_schema": ...} instead')
 
 
-# guided fields (and structured_outputs keys) that set how a constraint is served, not a constraint
-_SETTINGS = ('guided_decoding_backend', 'guided_whitespace_pattern')
-_STRUCTURED_SETTINGS = ('backend', 'whitespace_pattern', 'disable_any_whitespace', 'disable_fallback',
-                        'disable_additional_properties')
-
 #: keys of SGLang's ``sampling_params`` that constrain the output
 _SAMPLING_PARAMS_FIELDS = ('json_schema', 'regex', 'ebnf', 'structural_tag')
-
-
-def unserved_guided_field(body) -> str | None:
-    """The first field of a request body that asks for constrained output (``response_format`` other than text, a
-    field of :data:`GUIDED_FIELDS`, or a constraint in SGLang's ``sampling_params``), for an endpoint that does not
-    constrain its output (lmdeploy's ``/generate``), which would otherwise drop it without a word; None when there
-    is none."""
-    if not isinstance(body, Mapping):
-        return None
-    fmt = body.get('response_format')
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get('type', 'text') == 'text'):
-        return 'response_format'
-    for key in GUIDED_FIELDS:
-        value = body.get(key)
-        if value is None or key in _SETTINGS:
-            continue
-        if key == 'structured_outputs' and isinstance(value, Mapping) and not set(value) - set(_STRUCTURED_SETTINGS):
-            continue
-        return key
-    params = body.get('sampling_params')
-    if isinstance(params, Mapping):
-        for key in _SAMPLING_PARAMS_FIELDS:
-            if params.get(key) is not None:
-                return f'sampling_params.{key}'
-    return None
 
 
 def choice_regex(choices) -> str:
@@ -144,7 +116,7 @@ def _structured(value) -> dict[str, object]:
     return fields
 
 
-def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
+def response_format_from_fields(body: Mapping, *, sampling_params: bool = False) -> tuple[dict, str] | None:
     """The ``response_format`` that vLLM / SGLang guided fields of a request body ask for.
 
     Parameters
@@ -152,6 +124,10 @@ def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
     body : Mapping
         The request body as JSON (a chat completion or completion request); only the fields of
         :data:`GUIDED_FIELDS` are read, nothing is changed.
+    sampling_params : bool
+        Also read the constraints of SGLang's ``sampling_params`` object (``json_schema``, ``regex``; ``ebnf`` and
+        ``structural_tag`` are refused), as SGLang's ``/generate`` takes them; the error's ``param`` is
+        ``sampling_params``.
 
     Returns
     -------
@@ -167,11 +143,23 @@ def response_format_from_fields(body: Mapping) -> tuple[dict, str] | None:
         ``param`` names the field.
     """
     present = {k: body[k] for k in GUIDED_FIELDS if k in body and body[k] is not None}
-    if not present:
+    params = body.get('sampling_params') if sampling_params else None
+    nested = {k: params[k] for k in _SAMPLING_PARAMS_FIELDS if params.get(k) is not None} \
+        if isinstance(params, Mapping) else {}
+    if not present and not nested:
         return None
     fields = dict(present)
     origin = {k: k for k in present}  # the top-level field each constraint came from (the error's param)
-    label = {}  # how messages name a constraint that came from structured_outputs
+    label = {}  # how messages name a constraint that came from structured_outputs or sampling_params
+    for key, item in nested.items():
+        if key in fields:
+            raise GuidedFieldError(f'{key} is given twice (as {key} and in sampling_params)', param='sampling_params')
+        if key == 'structural_tag':
+            raise GuidedFieldError(f'sampling_params.structural_tag is not supported by this server; {_POINTER} '
+                                   '(json_schema, regex_schema, json_object)', param='sampling_params')
+        fields[key] = item
+        origin[key] = 'sampling_params'
+        label[key] = f'sampling_params.{key}'
     if 'structured_outputs' in fields:
         for key, item in _structured(fields.pop('structured_outputs')).items():
             if key in fields:

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -231,27 +232,65 @@ def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_pa
 
 
 
-def test_generate_refuses_a_constraint_it_would_drop(server):
-    """lmdeploy's /generate declares no guided field, and its request model drops what it does not declare: a request
-    with response_format, regex or sampling_params.json_schema came back 200 with unconstrained output. It is refused
-    with HTTP 400 naming the field; a request without one is served."""
+def test_generate_serves_a_constraint_of_its_output(server):
+    """lmdeploy's /generate declared no guided field, and its request model dropped what it did not declare: a request
+    with response_format, regex or sampling_params.json_schema came back 200 with unconstrained output. It serves them
+    (a prompt or input_ids, streamed or not, with logprobs), and refuses with HTTP 400 naming the field what it
+    cannot serve; a request without one is served as before."""
+    from importlib.metadata import version
+
+    from transformers import AutoTokenizer
+
+    from lmdeploy_guided_spec.cpu import models
     proc, base, log = server
+    year = {'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}
+    answer = {'type': 'string', 'enum': ['yes', 'no']}
 
     def post(body: dict):
         request = urllib.request.Request(f'{base}/generate', json.dumps(body).encode(),
                                          {'Content-Type': 'application/json'})
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return answer.status, json.loads(answer.read())
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            if not body.get('stream'):
+                return json.loads(reply.read())
+            chunks = [json.loads(line[len(b'data: '):]) for line in reply.read().splitlines()
+                      if line.startswith(b'data: ') and line != b'data: [DONE]']
+        assert chunks and not any('error' in c for c in chunks), chunks
+        logprobs = sum((c['meta_info']['output_token_logprobs'] or [] for c in chunks), [])
+        return {'text': ''.join(c['text'] for c in chunks), 'output_ids': sum((c['output_ids'] for c in chunks), []),
+                'meta_info': {**chunks[-1]['meta_info'], 'output_token_logprobs': logprobs}}
 
-    for field, extra in (('response_format', {'response_format': {'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}}),
-                         ('regex', {'regex': '[0-9]{4}'}), ('guided_regex', {'guided_regex': '[0-9]{4}'}),
-                         ('sampling_params.json_schema', {'sampling_params': {'json_schema': '{"type": "object"}'}})):
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            post({'prompt': 'A year:', 'max_tokens': 8, **extra})
-        assert refused.value.code == 400, field
-        body = json.loads(refused.value.read())
-        error = body.get('error', body)
-        assert error['param'] == field and '/v1/chat/completions' in error['message'], body
-    status, body = post({'prompt': 'A year:', 'max_tokens': 4})
-    assert status == 200 and 'text' in body, body
+    def refused(body: dict, param: str | None):
+        with pytest.raises(urllib.error.HTTPError) as error:
+            post(body)
+        assert error.value.code == 400, body
+        error = json.loads(error.value.read())
+        error = error.get('error', error)
+        assert param is None or error['param'] == param, error
+        return error['message']
+
+    prompt_ids = AutoTokenizer.from_pretrained(models.resolve('tiny-llama'))('A year:')['input_ids']
+    for body, matches in (
+            ({'prompt': 'A year:', 'response_format': year}, r'[0-9]{4}'),
+            ({'input_ids': prompt_ids, 'regex': '[0-9]{4}', 'stream': True}, r'[0-9]{4}'),  # SGLang's field
+            ({'prompt': 'Yes or no?', 'guided_choice': ['yes', 'no'], 'temperature': 1.0}, r'yes|no'),  # vLLM's
+            ({'prompt': 'Yes or no?', 'sampling_params': {'json_schema': json.dumps(answer)}, 'return_logprob': True,
+              'stream': True}, r'"(yes|no)"')):  # SGLang's sampling_params
+        body = {'max_tokens': 16, 'temperature': 0.0, **body}
+        out = post(body)
+        assert re.fullmatch(matches, out['text']), (body, out)
+        assert out['meta_info']['finish_reason'] == {'type': 'stop'}, out
+        if body.get('return_logprob'):
+            logprobs = out['meta_info']['output_token_logprobs']
+            assert [t for _, t in logprobs] == out['output_ids'] and all(math.isfinite(p) for p, _ in logprobs), out
+    # what /generate cannot serve is refused by name, never dropped
+    assert 'EBNF' in refused({'prompt': 'x', 'sampling_params': {'ebnf': 'root ::= "a"'}}, 'sampling_params')
+    refused({'prompt': 'x', 'regex': '[0-9]', 'response_format': year}, 'regex')
+    refused({'prompt': 'x', 'response_format': {'type': 'xml'}}, 'response_format')
+    assert 'instance' in refused({'prompt': 'x', 'response_format': NO_INSTANCE}, 'response_format')
+    if not version('lmdeploy').startswith('0.14.'):  # 0.14's /generate has no logprob_start_len
+        # the prompt's logprobs alone: nothing to constrain (this server refuses it beside speculative decoding too)
+        assert 'logprob_start_len' in refused({'prompt': 'x', 'max_tokens': 0, 'logprob_start_len': 0,
+                                               'response_format': year}, None)
+    out = post({'prompt': 'A year:', 'max_tokens': 4})
+    assert out['meta_info']['completion_tokens'] <= 4 and isinstance(out['text'], str), out
     assert proc.poll() is None, log.read_text()[-4000:]

@@ -7,7 +7,7 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from lmdeploy_guided_spec.errors import GuidedFieldError
-from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields, unserved_guided_field
+from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields
 
 pytestmark = pytest.mark.unit
 
@@ -105,20 +105,40 @@ def test_choice_regex_escapes_only_special_characters():
     assert choice_regex(['a b', 'c.d']) == r'(a b|c\.d)'
 
 
-@pytest.mark.parametrize('body, field', [
-    ({'prompt': 'hi', 'response_format': {'type': 'json_object'}}, 'response_format'),
-    ({'prompt': 'hi', 'regex': '[0-9]{4}'}, 'regex'),
-    ({'prompt': 'hi', 'guided_json': {'type': 'object'}}, 'guided_json'),
-    ({'prompt': 'hi', 'structured_outputs': {'choice': ['a', 'b']}}, 'structured_outputs'),
-    ({'prompt': 'hi', 'sampling_params': {'json_schema': '{"type": "object"}'}}, 'sampling_params.json_schema'),
-    ({'prompt': 'hi', 'sampling_params': {'temperature': 0, 'ebnf': 'root ::= "a"'}}, 'sampling_params.ebnf'),
-    ({'prompt': 'hi'}, None),
-    ({'prompt': 'hi', 'response_format': {'type': 'text'}, 'regex': None}, None),
-    ({'prompt': 'hi', 'sampling_params': {'temperature': 0}}, None),
-    ({'prompt': 'hi', 'guided_decoding_backend': 'xgrammar'}, None),  # how, not what
-    ({'prompt': 'hi', 'structured_outputs': {'backend': 'xgrammar'}}, None),
-    ('not a body', None),
+SCHEMA_TEXT = '{"type": "object"}'
+
+
+@pytest.mark.parametrize('body, expected', [
+    ({'prompt': 'hi', 'sampling_params': {'json_schema': SCHEMA_TEXT, 'temperature': 0}},
+     ({'type': 'json_schema', 'json_schema': {'name': 'sampling_params', 'schema': {'type': 'object'}}},
+      'sampling_params')),
+    ({'prompt': 'hi', 'sampling_params': {'regex': '[0-9]{4}'}},
+     ({'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}, 'sampling_params')),
+    ({'prompt': 'hi', 'sampling_params': {'temperature': 0, 'regex': None}}, None),
+    ({'prompt': 'hi', 'sampling_params': 'not an object'}, None),
+    ({'prompt': 'hi', 'regex': '[0-9]', 'sampling_params': {'temperature': 0}},
+     ({'type': 'regex_schema', 'regex_schema': '[0-9]'}, 'regex')),
 ])
-def test_a_guided_field_where_output_is_not_constrained_is_named(body, field):
-    """lmdeploy's /generate drops fields it does not declare: a constraint there is refused by name, never ignored."""
-    assert unserved_guided_field(body) == field
+def test_sampling_params_constraints_are_read_where_an_endpoint_takes_them(body, expected):
+    """SGLang's /generate takes its constraints in sampling_params; an endpoint that reads that object (lmdeploy's
+    /generate) maps them as it maps the top-level fields. Other endpoints do not read it."""
+    assert response_format_from_fields(body, sampling_params=True) == expected
+    if 'regex' not in body:
+        assert response_format_from_fields(body) is None
+
+
+@pytest.mark.parametrize('body, message', [
+    ({'sampling_params': {'ebnf': 'root ::= "a"'}}, 'sampling_params.ebnf: grammar (EBNF) constraints'),
+    ({'sampling_params': {'structural_tag': '{}'}}, 'sampling_params.structural_tag is not supported'),
+    ({'sampling_params': {'regex': ''}}, 'sampling_params.regex must be a non-empty regular expression'),
+    ({'sampling_params': {'json_schema': '{'}}, 'sampling_params.json_schema is not valid JSON'),
+    ({'regex': 'a', 'sampling_params': {'regex': 'b'}}, 'regex is given twice'),
+    ({'sampling_params': {'regex': 'b'}, 'response_format': {'type': 'json_object'}},
+     'sampling_params.regex and response_format both constrain the output'),
+    ({'sampling_params': {'regex': 'b', 'json_schema': SCHEMA_TEXT}}, 'only one guided constraint per request'),
+])
+def test_sampling_params_constraints_that_cannot_be_served_are_refused_naming_it(body, message):
+    with pytest.raises(GuidedFieldError) as err:
+        response_format_from_fields(body, sampling_params=True)
+    assert err.value.param == 'sampling_params'
+    assert message in str(err.value)
