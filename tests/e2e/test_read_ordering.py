@@ -48,6 +48,7 @@ def per_thread_streams(monkeypatch):
     return install
 
 
+@pytest.mark.one_method({'0.18': ['eagle3'], '0.14': ['deepseek_mtp']})
 @pytest.mark.parametrize('method', list(METHODS))
 def test_worker_reads_of_device_ids_wait_for_the_engine_threads_event(engines, engine_threads, per_thread_streams,
                                                                       method):
