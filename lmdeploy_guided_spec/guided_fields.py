@@ -122,8 +122,8 @@ def response_format_from_fields(body: Mapping, *, sampling_params: bool = False)
     Parameters
     ----------
     body : Mapping
-        The request body as JSON (a chat completion or completion request); only the fields of
-        :data:`GUIDED_FIELDS` are read, nothing is changed.
+        The request body as JSON (a chat completion, completion or generate request); only the fields of
+        :data:`GUIDED_FIELDS` are read (and ``sampling_params``, see below), nothing is changed.
     sampling_params : bool
         Also read the constraints of SGLang's ``sampling_params`` object (``json_schema``, ``regex``; ``ebnf`` and
         ``structural_tag`` are refused), as SGLang's ``/generate`` takes them; the error's ``param`` is
