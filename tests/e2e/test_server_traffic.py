@@ -294,3 +294,32 @@ def test_generate_serves_a_constraint_of_its_output(server):
     out = post({'prompt': 'A year:', 'max_tokens': 4})
     assert out['meta_info']['completion_tokens'] <= 4 and isinstance(out['text'], str), out
     assert proc.poll() is None, log.read_text()[-4000:]
+
+
+def test_logit_bias_is_served_and_never_outweighs_the_grammar(server):
+    """OpenAI's logit_bias on /v1/chat/completions was HTTP 500: its processor, a local function, cannot be pickled
+    to the engine's process. It is served: a bias of +100 picks its token, and under a grammar it picks among the
+    tokens the grammar allows only (a token the grammar forbids stays forbidden whatever its bias); an id outside
+    the vocabulary is HTTP 400."""
+    from transformers import AutoTokenizer
+
+    from lmdeploy_guided_spec.cpu import models
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve('tiny-llama'))
+    seven, letter = tokenizer.convert_tokens_to_ids('7'), tokenizer.convert_tokens_to_ids('x')
+    year = {'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}
+
+    def ask(bias: dict, **kwargs) -> str:
+        answer = client.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'A year?'}],
+                                                logit_bias={str(k): v for k, v in bias.items()}, temperature=0,
+                                                max_tokens=4, **kwargs)
+        return answer.choices[0].message.content
+
+    assert ask({seven: 100}) == '7777'
+    assert ask({seven: 100}, response_format=year) == '7777'
+    assert re.fullmatch('[0-9]{4}', ask({letter: 100}, response_format=year))
+    with pytest.raises(openai.BadRequestError):
+        ask({len(tokenizer) + 10: 5})
+    assert proc.poll() is None, log.read_text()[-4000:]
