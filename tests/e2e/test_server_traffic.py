@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 ROUNDS = 3
 CONCURRENT = 32
 DISCONNECTS = 20
+YEAR = response_format('regex_schema', regex='[0-9]{4}')
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
@@ -243,7 +244,6 @@ def test_generate_serves_a_constraint_of_its_output(server):
 
     from lmdeploy_guided_spec.cpu import models
     proc, base, log = server
-    year = {'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}
     answer = {'type': 'string', 'enum': ['yes', 'no']}
 
     def post(body: dict):
@@ -270,7 +270,7 @@ def test_generate_serves_a_constraint_of_its_output(server):
 
     prompt_ids = AutoTokenizer.from_pretrained(models.resolve('tiny-llama'))('A year:')['input_ids']
     for body, matches in (
-            ({'prompt': 'A year:', 'response_format': year}, r'[0-9]{4}'),
+            ({'prompt': 'A year:', 'response_format': YEAR}, r'[0-9]{4}'),
             ({'input_ids': prompt_ids, 'regex': '[0-9]{4}', 'stream': True}, r'[0-9]{4}'),  # SGLang's field
             ({'prompt': 'Yes or no?', 'guided_choice': ['yes', 'no'], 'temperature': 1.0}, r'yes|no'),  # vLLM's
             ({'prompt': 'Yes or no?', 'sampling_params': {'json_schema': json.dumps(answer)}, 'return_logprob': True,
@@ -284,13 +284,13 @@ def test_generate_serves_a_constraint_of_its_output(server):
             assert [t for _, t in logprobs] == out['output_ids'] and all(math.isfinite(p) for p, _ in logprobs), out
     # what /generate cannot serve is refused by name, never dropped
     assert 'EBNF' in refused({'prompt': 'x', 'sampling_params': {'ebnf': 'root ::= "a"'}}, 'sampling_params')
-    refused({'prompt': 'x', 'regex': '[0-9]', 'response_format': year}, 'regex')
+    refused({'prompt': 'x', 'regex': '[0-9]', 'response_format': YEAR}, 'regex')
     refused({'prompt': 'x', 'response_format': {'type': 'xml'}}, 'response_format')
     assert 'instance' in refused({'prompt': 'x', 'response_format': NO_INSTANCE}, 'response_format')
     if not version('lmdeploy').startswith('0.14.'):  # 0.14's /generate has no logprob_start_len
         # the prompt's logprobs alone: nothing to constrain (this server refuses it beside speculative decoding too)
         assert 'logprob_start_len' in refused({'prompt': 'x', 'max_tokens': 0, 'logprob_start_len': 0,
-                                               'response_format': year}, None)
+                                               'response_format': YEAR}, None)
     out = post({'prompt': 'A year:', 'max_tokens': 4})
     assert out['meta_info']['completion_tokens'] <= 4 and isinstance(out['text'], str), out
     assert proc.poll() is None, log.read_text()[-4000:]
@@ -309,7 +309,6 @@ def test_logit_bias_is_served_and_never_outweighs_the_grammar(server):
     model = client.models.list().data[0].id
     tokenizer = AutoTokenizer.from_pretrained(models.resolve('tiny-llama'))
     seven, letter = tokenizer.convert_tokens_to_ids('7'), tokenizer.convert_tokens_to_ids('x')
-    year = {'type': 'regex_schema', 'regex_schema': '[0-9]{4}'}
 
     def ask(bias: dict, **kwargs) -> str:
         answer = client.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'A year?'}],
@@ -318,8 +317,8 @@ def test_logit_bias_is_served_and_never_outweighs_the_grammar(server):
         return answer.choices[0].message.content
 
     assert ask({seven: 100}) == '7777'
-    assert ask({seven: 100}, response_format=year) == '7777'
-    assert re.fullmatch('[0-9]{4}', ask({letter: 100}, response_format=year))
+    assert ask({seven: 100}, response_format=YEAR) == '7777'
+    assert re.fullmatch('[0-9]{4}', ask({letter: 100}, response_format=YEAR))
     with pytest.raises(openai.BadRequestError):
         ask({len(tokenizer) + 10: 5})
     assert proc.poll() is None, log.read_text()[-4000:]
