@@ -4,9 +4,12 @@ guided and unguided side by side, a JSON schema given as a string, several engin
 Each test names the defect of the issue "The engine never dies, never stalls, never drops the grammar" that it
 guards against.
 """
+import functools
+import itertools
 import json
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -324,6 +327,46 @@ def test_a_committed_token_the_grammar_rejects_fails_its_request(engines, method
     generate(pipe, PROMPTS[:1], [gen_config(None, max_new_tokens=4, ignore_eos=True)])
     assert manager(pipe).processors == {}
     assert model_agent(pipe).spec_agent.guided_spec.failures() == {}
+
+
+
+def _set_logits(token_ids: list[int], value: float, all_ids, logits):
+    """A pipeline user's logits processor: ``value`` on ``token_ids``."""
+    logits[token_ids] = value
+    return logits
+
+
+@pytest.mark.parametrize('method', ['eagle3', 'grammar', 'non-spec'])
+def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
+    """A pipeline user's ``logits_processors`` ran after the grammar's mask without speculation: one that set a finite
+    value on a token the grammar forbids had that token picked, and the request failed ("a committed token the
+    grammar rejects"). With speculation they run before the mask: one that set every token the grammar allows to
+    -inf left the row no finite logit (a greedy row took token 0 and failed; sampling it failed the whole batch).
+    Now the grammar wins, greedy and sampled, and the processors still act where the grammar leaves them room."""
+    pipe = engines('tiny-llama', spec=False) if method == 'non-spec' else _spec_pipeline(engines, method)
+    vocab = pipe.async_engine.tokenizer.model.model.get_vocab()
+    digit_tokens = sorted(i for token, i in vocab.items() if re.fullmatch('[0-9]+', token))
+    letter, seven = vocab['x'], vocab['7']
+    push_letter = functools.partial(_set_logits, [letter], 1e4)
+    ban_digits = functools.partial(_set_logits, digit_tokens, float('-inf'))
+    push_seven = functools.partial(_set_logits, [seven], 1e4)
+    year = response_format('regex_schema', regex='[0-9]{4}')
+    configs = [gen_config(year, sampling=sampling, seed=seed, logits_processors=[processor])
+               for seed, (processor, sampling) in enumerate(itertools.product([push_letter, ban_digits],
+                                                                               [False, True]))]
+    configs += [gen_config(year, logits_processors=[push_seven]),
+                gen_config(None, logits_processors=[push_letter], max_new_tokens=4, ignore_eos=True),
+                gen_config(year, sampling=True, seed=9)]
+    outputs = generate(pipe, PROMPTS[:len(configs)], configs)
+    for out in outputs[:4] + outputs[6:]:
+        assert out.finish_reason == 'stop', out
+        check_valid(out.text, year)
+    # the processors act inside the grammar's room, and without a grammar
+    assert outputs[4].finish_reason == 'stop' and outputs[4].text == '7777', outputs[4]
+    assert outputs[5].token_ids == [letter] * 4, outputs[5]
+    again = generate(pipe, PROMPTS[:1], [gen_config(year)])[0]
+    assert again.finish_reason == 'stop', again
+    check_valid(again.text, year)
 
 
 # 'not' is dropped by xgrammar (tests/unit/test_unenforced.py)
