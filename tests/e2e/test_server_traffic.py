@@ -206,13 +206,28 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
 def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_path):
     """An api_server killed outright (the OOM killer, ``kill -9``) left lmdeploy's engine process running on its
     own: on a GPU the model and the KV cache stay taken, and a server started again does not find the memory. The
-    engine process, the compiler processes and the grammar checker's end with the server."""
+    engine process, the compiler processes and the grammar checker's end with the server.
+
+    Before the kill, this server without speculative decoding is the one to reach /generate's refusal of a format
+    beside ``logprob_start_len`` (the prompt's logprobs alone: no output to constrain; a speculative server refuses
+    ``logprob_start_len`` first)."""
+    from importlib.metadata import version
     log = tmp_path / 'server.log'
-    proc, base = start_server([], log)
+    proc, base = start_server(['--logprobs-mode', 'raw_logprobs'], log)
     group = proc.pid  # the server leads a session of its own: its process group holds all it started
     try:
         fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))  # grammars checked and compiled
         check_valid(text, fmt)
+        if not version('lmdeploy').startswith('0.14.'):  # 0.14's /generate has no logprob_start_len
+            body = {'prompt': 'x', 'max_tokens': 0, 'return_logprob': True, 'logprob_start_len': 0,
+                    'response_format': YEAR}
+            request = urllib.request.Request(f'{base}/generate', json.dumps(body).encode(),
+                                             {'Content-Type': 'application/json'})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 400
+            error = json.loads(refused.value.read())
+            assert error['error']['param'] == 'logprob_start_len', error
         started = [pid for pid in traffic.group_processes(group) if pid != proc.pid]
         assert any(traffic.proc_text(pid, 'comm') == 'ZMQMPEngine' for pid in started), {
             pid: traffic.proc_text(pid, 'cmdline')[:200] for pid in started}
