@@ -369,6 +369,33 @@ def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
     check_valid(again.text, year)
 
 
+
+@pytest.mark.parametrize('method', ['eagle3', 'grammar', 'non-spec'])
+def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
+    """One request stopped the engine for every request, present and later ("The inference engine is
+    unavailable"): a ``top_k`` beyond the vocabulary (``torch.topk`` raised: "selected index k out of range") or a
+    temperature so small that the logits divided by it overflowed (1e-38: the sampler met inf). A ``top_k`` at or
+    beyond the vocabulary limits nothing, as 0 does; a tiny temperature is close to greedy. Beside them in the batch,
+    guided and unguided requests, greedy and sampled."""
+    pipe = engines('tiny-llama', spec=False) if method == 'non-spec' else _spec_pipeline(engines, method)
+    person, year = response_format('json_schema'), response_format('regex_schema', regex='[0-9]{4}')
+    hostile = [gen_config(year, sampling=True, seed=1, top_k=10**9), gen_config(None, sampling=True, seed=2,
+                                                                                 top_k=10**9, max_new_tokens=8),
+               gen_config(year, sampling=True, seed=3, temperature=1e-38),
+               gen_config(person, sampling=True, seed=4, temperature=1e-45, top_k=0)]
+    beside = [gen_config(person), gen_config(year, sampling=True, seed=5), gen_config(None, max_new_tokens=8)]
+    configs = hostile + beside
+    outputs = generate(pipe, PROMPTS[:len(configs)], configs)
+    for out, config in zip(outputs, configs):
+        assert out.finish_reason in ('stop', 'length'), out
+        if config.response_format is not None:
+            assert out.finish_reason == 'stop', out
+            check_valid(out.text, config.response_format)
+    # a temperature of 1e-38 samples what greedy decoding picks
+    greedy = generate(pipe, PROMPTS[2:4], [gen_config(year), gen_config(person)])
+    assert [o.token_ids for o in outputs[2:4]] == [g.token_ids for g in greedy]
+
+
 # 'not' is dropped by xgrammar (tests/unit/test_unenforced.py)
 UNENFORCED = {'type': 'object', 'properties': {'age': {'type': 'integer', 'minimum': 0, 'maximum': 9,
                                                        'not': {'const': 3}}},

@@ -6,6 +6,7 @@ sampled with and without speculation (N requests each, fixed seeds; categories w
 pooled). The test fails when any position has p < 0.001. The draft must be accepted in part, so that the rejection
 sampler, not only the first-token sampler, produces most tokens.
 """
+import functools
 import math
 from collections import Counter
 
@@ -101,3 +102,40 @@ def test_sampled_token_distribution_matches(engines, method):
                                Counter(o.token_ids[pos] for o in ref if len(o.token_ids) > pos))
         assert dof >= 1, f'position {pos}: a single category, nothing to compare'
         assert p >= P_MIN, f'position {pos}: chi-square p = {p:.2e} ({dof} dof)'
+
+
+def _three_letters(letters: dict, all_ids, logits):
+    """A logits processor that leaves the model three tokens with fixed logits (``{token id: logit}``)."""
+    kept = logits.new_full(logits.shape, float('-inf'))
+    for token, value in letters.items():
+        kept[token] = value
+    return logits.copy_(kept)
+
+
+@pytest.mark.parametrize('method', ['eagle3', 'grammar'])
+def test_top_k_top_p_and_min_p_hold_at_every_verified_position(engines, method):
+    """The rejection sampler applied ``top_k``, ``top_p`` and ``min_p`` to the bonus token alone: a draft token was
+    verified against the logits before them, so speculative decoding sampled tokens they exclude (about 12 in 40 of
+    each), with or without a grammar, and the draft-free ``grammar`` method changed how every sampled request
+    samples. With three tokens of logits 0, -0.1 and -0.2, ``top_k=2`` never samples the third, and ``top_p=0.2``
+    (the first holds 37 %) or ``min_p=0.95`` (the second is 90 % as likely) only the first, as without
+    speculation."""
+    from e2e_helpers import draft_free_pipeline
+    pipe = draft_free_pipeline(engines, 'tiny-llama', 'grammar', 3) if method == 'grammar' else engines(
+        METHODS[method])
+    vocab = pipe.async_engine.tokenizer.model.model.get_vocab()
+    a, b, c = (vocab[letter] for letter in 'abc')
+    processor = functools.partial(_three_letters, {a: 0.0, b: -0.1, c: -0.2})
+    settings = [({'top_k': 2}, {a, b}), ({'top_p': 0.2, 'top_k': 0}, {a}), ({'min_p': 0.95, 'top_k': 0}, {a})]
+    fmts = [None, response_format('regex_schema', regex='[abc]{40}')]
+    cases = [(setting, allowed, fmt, seed) for setting, allowed in settings for fmt in fmts for seed in range(3)]
+    configs = [gen_config(fmt, sampling=True, seed=seed, temperature=1.0, max_new_tokens=40, ignore_eos=fmt is None,
+                          logits_processors=[processor], **setting) for setting, _, fmt, seed in cases]
+    with StepRecorder() as recorder:
+        outputs = generate(pipe, ['Letters:'] * len(configs), configs)
+    assert sum(row.accepted for row in recorder.rows() if row.drafts) > 0, 'no draft was accepted: nothing verified'
+    # a request alone in its batch too (its draft positions are no copy of the logits)
+    outputs += generate(pipe, ['Letters:'], configs[:1])
+    for out, (setting, allowed, fmt, _) in zip(outputs, cases + cases[:1]):
+        assert out.finish_reason in ('stop', 'length') and len(out.token_ids) == 40, (setting, fmt, out)
+        assert set(out.token_ids) <= allowed, (setting, fmt, Counter(out.token_ids))
