@@ -336,6 +336,7 @@ def _set_logits(token_ids: list[int], value: float, all_ids, logits):
     return logits
 
 
+@pytest.mark.one_method({'0.14': ['grammar', 'non-spec']})
 @pytest.mark.parametrize('method', ['eagle3', 'grammar', 'non-spec'])
 def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
     """A pipeline user's ``logits_processors`` ran after the grammar's mask without speculation: one that set a finite
@@ -370,6 +371,7 @@ def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
 
 
 
+@pytest.mark.one_method({'0.14': ['grammar', 'non-spec']})
 @pytest.mark.parametrize('method', ['eagle3', 'grammar', 'non-spec'])
 def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
     """One request stopped the engine for every request, present and later ("The inference engine is
