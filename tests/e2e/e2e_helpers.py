@@ -53,6 +53,10 @@ def response_format(kind: str, schema: dict | None = None, regex: str | None = N
     raise ValueError(kind)
 
 
+#: four digits, as a regex_schema response_format
+YEAR = response_format('regex_schema', regex='[0-9]{4}')
+
+
 def check_valid(text: str, fmt: dict | None) -> None:
     """Assert that ``text`` is a complete instance of ``fmt``."""
     kind = None if fmt is None else fmt['type']
@@ -171,6 +175,16 @@ def draft_free_pipeline(engines: Engines, target: str, method: str, k: int, fsm_
         pipes[key] = pipeline(models.resolve(target), backend_config=PytorchEngineConfig(**ENGINE_KWARGS),
                               speculative_config=spec, log_level='ERROR')
     return pipes[key]
+
+
+def method_pipeline(engines: Engines, method: str):
+    """A pipeline of ``method``: a draft model's (on its target in :data:`METHODS`), or on tiny-llama the draft-free
+    ``grammar`` (k=3) or ``non-spec`` (no speculative decoding)."""
+    if method == 'non-spec':
+        return engines('tiny-llama', spec=False)
+    if method == 'grammar':
+        return draft_free_pipeline(engines, 'tiny-llama', 'grammar', 3)
+    return engines(METHODS[method])
 
 
 def model_agent(pipe):

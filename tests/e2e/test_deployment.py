@@ -17,14 +17,15 @@ from e2e_helpers import (
     METHODS,
     PERSON,
     PROMPTS,
+    YEAR,
     Output,
     _text,
     banned_tokens_and_dead_ends,
     check_valid,
-    draft_free_pipeline,
     gen_config,
     generate,
     manager,
+    method_pipeline,
     model_agent,
     response_format,
 )
@@ -39,12 +40,6 @@ def _mixed_configs(seed: int):
             for i, (kind, sampling) in enumerate(MIXED)]
 
 
-def _spec_pipeline(engines, method: str):
-    if method == 'grammar':
-        return draft_free_pipeline(engines, 'tiny-llama', 'grammar', 3)
-    return engines(METHODS[method])
-
-
 def _target(method: str) -> str:
     return 'tiny-llama' if method == 'grammar' else METHODS[method]
 
@@ -54,7 +49,7 @@ def _target(method: str) -> str:
 def test_mixed_greedy_and_sampling_batch(engines, method):
     """Defect 1: greedy and sampling requests in one batch (lmdeploy handed the rejection sampler batch x k rows of
     per-request flags; the CPU path's kernels raised, and the engine stopped for every request)."""
-    pipe = _spec_pipeline(engines, method)
+    pipe = method_pipeline(engines, method)
     prompts = PROMPTS[:len(MIXED)]
     for round_ in range(2):
         configs = _mixed_configs(seed=10 * round_)
@@ -131,7 +126,7 @@ def test_each_turn_of_a_chat_session_has_its_own_grammar(engines, method):
     - Speculative decoding dropped the token the last turn left to forward: the turn began with the prompt's last
       word and lost its first token; after a turn the client stopped reading, the input went after its drafts.
     """
-    pipe = _spec_pipeline(engines, method)
+    pipe = method_pipeline(engines, method)
     turns = _chat(pipe, CHAT_TURNS)
     reference = _chat(engines(_target(method), spec=False), CHAT_TURNS)
     for i, (turn, ref, fmt) in enumerate(zip(turns, reference, CHAT_TURNS)):
@@ -262,7 +257,7 @@ def test_schema_without_instances_fails_alone(engines, method):
     request went on unconstrained with finish_reason 'stop'. It fails alone at entry now; the grammar is never
     dropped. So does a schema of 300 nested objects, at once (its entry check took 19 s, then lmdeploy's copy of the
     request failed with 'Request preprocessing failed.')."""
-    pipe = _spec_pipeline(engines, method)
+    pipe = method_pipeline(engines, method)
     good = response_format('json_schema')
     outputs = generate(pipe, PROMPTS[:3], [gen_config(NO_INSTANCE), gen_config(nested(300)), gen_config(good)])
     assert outputs[0].finish_reason == 'error' and 'admits no instance' in outputs[0].text, outputs[0]
@@ -304,7 +299,7 @@ def test_a_committed_token_the_grammar_rejects_fails_its_request(engines, method
     """Defect 5, at run time: a committed token the grammar rejects is an error for its request, reported with the
     reason, not a fallback to unconstrained decoding (before, the request went on with finish_reason 'length' and
     only the log said so). Its neighbours, guided or not, finish as usual."""
-    pipe = _spec_pipeline(engines, method)
+    pipe = method_pipeline(engines, method)
     token_a, = pipe.async_engine.tokenizer.encode('a', add_bos=False)
     corrupt_digit_commits['token'] = token_a
     digits = response_format('regex_schema', regex=r'[0-9]{40}')
@@ -329,7 +324,6 @@ def test_a_committed_token_the_grammar_rejects_fails_its_request(engines, method
     assert model_agent(pipe).spec_agent.guided_spec.failures() == {}
 
 
-
 def _set_logits(token_ids: list[int], value: float, all_ids, logits):
     """A pipeline user's logits processor: ``value`` on ``token_ids``."""
     logits[token_ids] = value
@@ -344,31 +338,29 @@ def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
     grammar rejects"). With speculation they run before the mask: one that set every token the grammar allows to
     -inf left the row no finite logit (a greedy row took token 0 and failed; sampling it failed the whole batch).
     Now the grammar wins, greedy and sampled, and the processors still act where the grammar leaves them room."""
-    pipe = engines('tiny-llama', spec=False) if method == 'non-spec' else _spec_pipeline(engines, method)
+    pipe = method_pipeline(engines, method)
     vocab = pipe.async_engine.tokenizer.model.model.get_vocab()
     digit_tokens = sorted(i for token, i in vocab.items() if re.fullmatch('[0-9]+', token))
     letter, seven = vocab['x'], vocab['7']
     push_letter = functools.partial(_set_logits, [letter], 1e4)
     ban_digits = functools.partial(_set_logits, digit_tokens, float('-inf'))
     push_seven = functools.partial(_set_logits, [seven], 1e4)
-    year = response_format('regex_schema', regex='[0-9]{4}')
-    configs = [gen_config(year, sampling=sampling, seed=seed, logits_processors=[processor])
+    configs = [gen_config(YEAR, sampling=sampling, seed=seed, logits_processors=[processor])
                for seed, (processor, sampling) in enumerate(itertools.product([push_letter, ban_digits],
                                                                                [False, True]))]
-    configs += [gen_config(year, logits_processors=[push_seven]),
+    configs += [gen_config(YEAR, logits_processors=[push_seven]),
                 gen_config(None, logits_processors=[push_letter], max_new_tokens=4, ignore_eos=True),
-                gen_config(year, sampling=True, seed=9)]
+                gen_config(YEAR, sampling=True, seed=9)]
     outputs = generate(pipe, PROMPTS[:len(configs)], configs)
     for out in outputs[:4] + outputs[6:]:
         assert out.finish_reason == 'stop', out
-        check_valid(out.text, year)
+        check_valid(out.text, YEAR)
     # the processors act inside the grammar's room, and without a grammar
     assert outputs[4].finish_reason == 'stop' and outputs[4].text == '7777', outputs[4]
     assert outputs[5].token_ids == [letter] * 4, outputs[5]
-    again = generate(pipe, PROMPTS[:1], [gen_config(year)])[0]
+    again = generate(pipe, PROMPTS[:1], [gen_config(YEAR)])[0]
     assert again.finish_reason == 'stop', again
-    check_valid(again.text, year)
-
+    check_valid(again.text, YEAR)
 
 
 @pytest.mark.one_method({'0.14': ['grammar', 'non-spec']})
@@ -379,13 +371,13 @@ def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
     temperature so small that the logits divided by it overflowed (1e-38: the sampler met inf). A ``top_k`` at or
     beyond the vocabulary limits nothing, as 0 does; a tiny temperature is close to greedy. Beside them in the batch,
     guided and unguided requests, greedy and sampled."""
-    pipe = engines('tiny-llama', spec=False) if method == 'non-spec' else _spec_pipeline(engines, method)
-    person, year = response_format('json_schema'), response_format('regex_schema', regex='[0-9]{4}')
-    hostile = [gen_config(year, sampling=True, seed=1, top_k=10**9), gen_config(None, sampling=True, seed=2,
+    pipe = method_pipeline(engines, method)
+    person = response_format('json_schema')
+    hostile = [gen_config(YEAR, sampling=True, seed=1, top_k=10**9), gen_config(None, sampling=True, seed=2,
                                                                                  top_k=10**9, max_new_tokens=8),
-               gen_config(year, sampling=True, seed=3, temperature=1e-38),
+               gen_config(YEAR, sampling=True, seed=3, temperature=1e-38),
                gen_config(person, sampling=True, seed=4, temperature=1e-45, top_k=0)]
-    beside = [gen_config(person), gen_config(year, sampling=True, seed=5), gen_config(None, max_new_tokens=8)]
+    beside = [gen_config(person), gen_config(YEAR, sampling=True, seed=5), gen_config(None, max_new_tokens=8)]
     configs = hostile + beside
     outputs = generate(pipe, PROMPTS[:len(configs)], configs)
     for out, config in zip(outputs, configs):
@@ -394,7 +386,7 @@ def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
             assert out.finish_reason == 'stop', out
             check_valid(out.text, config.response_format)
     # a temperature of 1e-38 samples what greedy decoding picks
-    greedy = generate(pipe, PROMPTS[2:4], [gen_config(year), gen_config(person)])
+    greedy = generate(pipe, PROMPTS[2:4], [gen_config(YEAR), gen_config(person)])
     assert [o.token_ids for o in outputs[2:4]] == [g.token_ids for g in greedy]
 
 
@@ -439,4 +431,4 @@ def test_banned_tokens_and_dead_ends_leave_the_engine_serving(engines, method):
     ignore_eos, min_new_tokens or the n-gram stop together with the grammar, and a grammar that runs into a dead
     end. In one batch with sampling rows: the grammar wins where they meet, a dead end fails its own request, and
     the engine goes on."""
-    banned_tokens_and_dead_ends(_spec_pipeline(engines, method))
+    banned_tokens_and_dead_ends(method_pipeline(engines, method))

@@ -11,7 +11,7 @@ import math
 from collections import Counter
 
 import pytest
-from e2e_helpers import METHODS, gen_config, generate, response_format
+from e2e_helpers import METHODS, gen_config, generate, method_pipeline, response_format
 
 from lmdeploy_guided_spec.cpu.steps import StepRecorder
 
@@ -121,9 +121,7 @@ def test_top_k_top_p_and_min_p_hold_at_every_verified_position(engines, method):
     samples. With three tokens of logits 0, -0.1 and -0.2, ``top_k=2`` never samples the third, and ``top_p=0.2``
     (the first holds 37 %) or ``min_p=0.95`` (the second is 90 % as likely) only the first, as without
     speculation."""
-    from e2e_helpers import draft_free_pipeline
-    pipe = draft_free_pipeline(engines, 'tiny-llama', 'grammar', 3) if method == 'grammar' else engines(
-        METHODS[method])
+    pipe = method_pipeline(engines, method)
     vocab = pipe.async_engine.tokenizer.model.model.get_vocab()
     a, b, c = (vocab[letter] for letter in 'abc')
     processor = functools.partial(_three_letters, {a: 0.0, b: -0.1, c: -0.2})

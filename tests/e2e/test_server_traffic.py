@@ -20,7 +20,7 @@ import urllib.request
 import openai
 import pytest
 import server_traffic as traffic
-from e2e_helpers import PERSON, check_valid, response_format, start_server, stop_server
+from e2e_helpers import PERSON, YEAR, check_valid, response_format, start_server, stop_server
 
 from grammars import wide_object
 
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 ROUNDS = 3
 CONCURRENT = 32
 DISCONNECTS = 20
-YEAR = response_format('regex_schema', regex='[0-9]{4}')
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
