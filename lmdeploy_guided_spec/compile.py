@@ -2,8 +2,9 @@
 
 xgrammar compiles some schemas for a long time (an enum of 40,000 strings: minutes; thousands of properties or deep
 nesting: tens of seconds), and a compile running in a thread cannot be stopped. :class:`GrammarCompileService`
-hands every compile to a child process (a fresh interpreter, never ``fork``: the engine process holds CUDA and
-threads), waits for it on a background thread and kills the child when it runs past the limit. The caller gets a
+hands every compile to a child process (forked from a fork server that imported xgrammar once, :mod:`.forkserver`;
+never a fork of the engine process, which holds CUDA and threads), waits for it on a background thread and kills
+the child when it runs past the limit. The caller gets a
 :class:`concurrent.futures.Future` at once and polls ``future.done()`` each engine step, so a request waits for its
 grammar while the others keep decoding.
 
@@ -23,7 +24,6 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
@@ -31,7 +31,6 @@ import logging
 import multiprocessing.connection
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from .errors import (
     GrammarCompileTimeout,
     xgrammar_reason,
 )
+from .forkserver import ForkedProcess, end_with_parent, fork_server
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
@@ -144,16 +144,16 @@ KINDS = {
     'structural_tag': frozenset(),
 }
 
-# A plain interpreter, not multiprocessing's spawn: spawn re-imports the parent's ``__main__`` in the child, which
-# re-runs a user's script without a main guard; fork would copy CUDA state and held locks.
+# A child of the fork server (forkserver.py), else a plain interpreter; not multiprocessing's spawn: spawn re-imports
+# the parent's ``__main__`` in the child, which re-runs a user's script without a main guard; fork would copy CUDA
+# state and held locks.
+_CHILD_TARGET = 'lmdeploy_guided_spec.compile:_child_main'
 _CHILD_CODE = ('import sys; from lmdeploy_guided_spec.compile import _child_main; '
                '_child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))')
 
-# starting a child imports xgrammar and reads the tokenizer info (a few seconds on a loaded machine at most);
-# this is not the compile limit, only a guard against a child that never comes up
+# starting a child reads the tokenizer info, and a fresh interpreter imports xgrammar first (a few seconds on a
+# loaded machine at most); this is not the compile limit, only a guard against a child that never comes up
 _STARTUP_TIMEOUT_S = 120.0
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # answers of checks a service keeps (a digest and a bool or an error each)
 _CHECKED_ENTRIES = 4096
@@ -418,29 +418,12 @@ def _check(kind: str, source: str | None, options: dict) -> tuple:
         return ('internal', f'{type(exc).__name__}: {exc}'.strip())
 
 
-def _end_with_parent(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux's ``PR_SET_PDEATHSIG``). A parent that dies
-    (the OOM killer, a crash, ``kill -9``) closes the socket, but a child inside a compile reads it only when the
-    compile ends, which can be minutes, holding its memory all along. Unlike a watching thread this works while
-    xgrammar holds the GIL. (The kernel acts when the parent's *thread* that started the child ends: the service's
-    threads that start children live until it closes, and closing kills the children anyway.)"""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (AttributeError, OSError):  # not Linux: the socket's EOF after the compile ends the child
-        return
-    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-    prctl.restype = ctypes.c_int
-    if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning('the grammar compiler process cannot end with its parent (prctl: %s); after an engine '
-                       'death it ends when its compile does', os.strerror(ctypes.get_errno()))
-        return
-    if os.getppid() != parent_pid:  # the parent died before the call
-        os._exit(0)
-
-
-def _child_main(fd: int, max_threads: int, parent_pid: int) -> None:
-    """Body of the compiler process: compile and check what the parent sends over socket ``fd`` until it closes."""
-    _end_with_parent(parent_pid)
+def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> None:
+    """Body of the compiler process: compile and check what the parent sends over socket ``fd`` until it closes.
+    ``parent_pid``: the serving process, where this is a fresh interpreter it started (a child of the fork server
+    is tied to the fork server already)."""
+    if parent_pid is not None:
+        end_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     try:
         info_json = conn.recv()
@@ -534,21 +517,39 @@ class _Job:
 class _Child:
     """One compiler process and the parent's end of its socket."""
 
-    def __init__(self, tokenizer_info_json: str | None, max_threads: int):
+    def __init__(self, tokenizer_info_json: str | None, max_threads: int, fork: bool = True):
         parent_sock, child_sock = socket.socketpair()
         self._info_json = tokenizer_info_json
-        env = dict(os.environ)
-        # the child imports this package from wherever the parent found it
-        env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads), str(os.getpid())],
-                pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
+            self.process = (fork and self._fork(child_sock, max_threads)) or self._spawn(child_sock, max_threads)
         finally:
             # only the child holds its end now, so a dead child shows up as EOF here
             child_sock.close()
         self.conn = multiprocessing.connection.Connection(parent_sock.detach())
         self.ready = False
+
+    @staticmethod
+    def _fork(child_sock: socket.socket, max_threads: int) -> ForkedProcess | None:
+        """A child of this process's fork server (milliseconds: xgrammar is imported there already), or None where
+        there is none (another platform) or it failed, said in the log."""
+        server = fork_server(__name__)
+        if server is None:
+            return None
+        try:
+            return server.fork(_CHILD_TARGET, child_sock.fileno(), max_threads)
+        except OSError as exc:
+            logger.warning('the grammar compiler\'s fork server failed (%s); starting a compiler process of its own',
+                           exc)
+            return None
+
+    @staticmethod
+    def _spawn(child_sock: socket.socket, max_threads: int) -> subprocess.Popen:
+        env = dict(os.environ)
+        # the child imports this package from wherever the parent found it
+        env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
+        return subprocess.Popen(
+            [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads), str(os.getpid())],
+            pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
 
     def wait_ready(self) -> None:
         """Hand the child its tokenizer (None: it checks only) and wait until it can compile."""
@@ -614,6 +615,10 @@ class GrammarCompileService:
     transfer_limit_bytes : int
         Biggest grammar the child sends back serialized; a bigger one is compiled again in the parent, which is
         faster than its JSON round trip (see the module docstring).
+    fork : bool
+        Fork the compiler processes from this process's fork server (:mod:`.forkserver`: it imports xgrammar once,
+        and a process starts in milliseconds, also after a kill); False starts each as a fresh interpreter, which
+        takes seconds. Where the platform has no fork server (not Linux) or it fails, processes start fresh.
 
     Notes
     -----
@@ -627,7 +632,7 @@ class GrammarCompileService:
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | str | None, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
                  transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None,
-                 matcher_limit_mb: float | None = None, slow_queued: int | None = None):
+                 matcher_limit_mb: float | None = None, slow_queued: int | None = None, fork: bool = True):
         if tokenizer_info is None:
             self._info = self._info_json = None
         elif isinstance(tokenizer_info, str):
@@ -656,6 +661,7 @@ class GrammarCompileService:
             raise ValueError(f'slow_queued must be >= 1, got {slow_queued!r}')
         self.max_threads = max_threads
         self.transfer_limit_bytes = transfer_limit_bytes
+        self.fork = fork
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
@@ -670,7 +676,7 @@ class GrammarCompileService:
         self._slow_waiters = 0
         # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
         # first takes a job only while all before it are busy, so its process starts only when compiles overlap
-        # (each costs about 240 MB, most of it torch)
+        # (each holds about 100 MB of its own for a 128k vocabulary beside the fork server, 240 MB started fresh)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._busy = [False] * max_workers
         # slot 0 starts its process (again, after a kill) outside any job: a thread after it whose process is ready
@@ -920,11 +926,11 @@ class GrammarCompileService:
         kept = self._kept(slot)
         while True:
             if (slot == 0 or (kept and self._slow_taken)) and self._children[slot] is None and not self._closed:
-                # start the first child before a job asks for it: a fresh interpreter takes seconds to import
-                # xgrammar (and torch with it), which would otherwise add to the first compile (and to the first
-                # after a kill). The others start with the first compile that overlaps, but the kept slot's with
-                # the first slow job: a job that arrives beside slow ones then finds it ready (a start beside slow
-                # parses that take every core took 20 s)
+                # start the first child before a job asks for it: the fork server (or a fresh interpreter) takes
+                # seconds to import xgrammar (and torch with it), which would otherwise add to the first compile
+                # (and to the first after a kill, without a fork server). The others start with the first compile
+                # that overlaps, but the kept slot's with the first slow job: a job that arrives beside slow ones
+                # then finds it ready (a start beside slow parses that take every core took 20 s)
                 self._set_starting(slot, True)
                 try:
                     self._child(slot)
@@ -1032,7 +1038,7 @@ class GrammarCompileService:
                 if self._closed:
                     raise GrammarCompilerUnavailable('the grammar compile service was closed')
                 # registered before it is ready, so that close() can kill a child that is still starting
-                child = self._children[slot] = _Child(self._info_json, self.max_threads)
+                child = self._children[slot] = _Child(self._info_json, self.max_threads, self.fork)
             try:
                 child.wait_ready()
             except GrammarCompilerUnavailable:
@@ -1147,8 +1153,8 @@ class GrammarCompileService:
 
 
 #: Processes of a checker (:func:`grammar_checker`): the first starts with the first check, each other one when a
-#: check arrives while all before it are busy (about 240 MB each). A check waits for a free one, so this many
-#: sources that parse up to the limit delay the checks of the others by up to that long
+#: check arrives while all before it are busy (a few MB each beside the fork server). A check waits for a free one,
+#: so this many sources that parse up to the limit delay the checks of the others by up to that long
 CHECKER_PROCESSES = 4
 
 # the checker of this process (grammar_is_empty), and the pid it belongs to: a forked child starts its own

@@ -208,13 +208,41 @@ def proc_text(pid: int, name: str) -> str:
         return '?'
 
 
+#: What the command line of a grammar compiler process, or of a fork server and its children, holds.
+COMPILER_MARKS = ('_child_main', 'lmdeploy_guided_spec.forkserver')
+
+
+def is_compiler(pid: int) -> bool:
+    """Whether ``pid`` is a grammar compiler process or a fork server of them."""
+    cmd = proc_text(pid, 'cmdline')
+    return any(mark in cmd for mark in COMPILER_MARKS)
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return int(f.read().rsplit(')', 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def compiler_processes(pid: int) -> list[int]:
+    """The grammar compiler processes that serve process ``pid`` (of its group): children of its fork server, or
+    processes it started itself; not the fork server."""
+    group = group_processes(os.getpgid(pid))
+    servers = {entry for entry in group if parent_pid(entry) == pid and
+               'lmdeploy_guided_spec.forkserver' in proc_text(entry, 'cmdline')}
+    return [entry for entry in group if is_compiler(entry) and entry not in servers and parent_pid(entry) in
+            servers | {pid}]
+
+
 def resident_mb(pid: int) -> int:
     """Resident memory of the server ``pid`` and the processes of its group (the engine's), in MB, without the
-    grammar compiler processes, which are killed and started again at will."""
+    grammar compiler processes and their fork servers, which are killed and started again at will."""
     total = 0
     for entry in group_processes(os.getpgid(pid)):
         try:
-            if '_child_main' in proc_text(entry, 'cmdline'):
+            if is_compiler(entry):
                 continue
             with open(f'/proc/{entry}/status') as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))

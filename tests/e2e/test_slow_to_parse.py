@@ -86,13 +86,11 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
             killed = 0
             while not dying.done() and time.monotonic() < deadline:
                 time.sleep(2)
-                # the checker's processes name the process they serve last on their command line
-                for pid in traffic.group_processes(os.getpgid(proc.pid)):
-                    cmd = traffic.proc_text(pid, 'cmdline')
-                    if '_child_main' in cmd and cmd.split()[-1] == str(proc.pid):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                            killed += 1
+                # the checker's processes are the server's compiler processes (the fork server's children)
+                for pid in traffic.compiler_processes(proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
             _, err = dying.result(timeout=60)
         assert killed, 'no checker process was found'
         assert err.status_code == 503 and 'could not be checked' in err.message, err

@@ -393,9 +393,10 @@ def test_jobs_that_arrive_together_run_side_by_side():
 
 
 def test_a_process_that_restarts_after_a_timeout_holds_no_job_back():
-    """After a job stopped at the limit, the first process starts again (seconds: a fresh interpreter imports
-    xgrammar and torch). A job that arrives meanwhile goes to a process that is ready: it waited for that start."""
-    with GrammarCompileService(None, timeout_s=20, max_workers=2) as checker:
+    """After a job stopped at the limit, the first process starts again: seconds where it is a fresh interpreter,
+    which imports xgrammar and torch (``fork=False`` here; also where the fork server starts again, or the platform
+    has none). A job that arrives meanwhile goes to a process that is ready: it waited for that start."""
+    with GrammarCompileService(None, timeout_s=20, max_workers=2, fork=False) as checker:
         slow = checker.check('json_schema', SLOW_PATTERN, timeout_s=3)
         while not slow.running():  # the first process has taken it (a job that does not look slow would go first)
             time.sleep(0.05)
