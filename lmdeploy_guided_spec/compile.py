@@ -1034,11 +1034,19 @@ class GrammarCompileService:
             self._drop_child(slot)
             child = None
         if child is None:
+            if self._closed:
+                raise GrammarCompilerUnavailable('the grammar compile service was closed')
+            # started outside the lock: the first start of a fork server (or a fresh one after it died) takes seconds,
+            # and submit(), check() and close() take the lock
+            child = _Child(self._info_json, self.max_threads, self.fork)
             with self._lock:
-                if self._closed:
-                    raise GrammarCompilerUnavailable('the grammar compile service was closed')
-                # registered before it is ready, so that close() can kill a child that is still starting
-                child = self._children[slot] = _Child(self._info_json, self.max_threads, self.fork)
+                closed = self._closed
+                if not closed:
+                    # registered before it is ready, so that close() can kill a child that is still starting
+                    self._children[slot] = child
+            if closed:
+                child.kill()
+                raise GrammarCompilerUnavailable('the grammar compile service was closed')
             try:
                 child.wait_ready()
             except GrammarCompilerUnavailable:

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 __all__ = ['ForkServer', 'ForkedProcess', 'fork_server', 'end_with_parent']
@@ -66,32 +67,62 @@ def end_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+_supported: bool | None = None
+# set where a fork server did not start (its import failed or hung): this process starts fresh interpreters
+_disabled = False
+
+
 def supported() -> bool:
-    """Whether this platform has what the fork server needs: pidfds (Linux 5.3) and passing descriptors."""
-    return (sys.platform == 'linux' and hasattr(os, 'pidfd_open') and hasattr(signal, 'pidfd_send_signal')
-            and hasattr(socket, 'send_fds') and hasattr(socket, 'SOCK_SEQPACKET'))
+    """Whether this platform has what the fork server needs: pidfds (Linux 5.3; a sandbox's seccomp profile may
+    refuse them) and passing descriptors."""
+    global _supported
+    if _supported is None:
+        _supported = (sys.platform == 'linux' and hasattr(os, 'pidfd_open') and hasattr(signal, 'pidfd_send_signal')
+                      and hasattr(socket, 'send_fds') and hasattr(socket, 'SOCK_SEQPACKET')
+                      and hasattr(socket, 'MSG_CMSG_CLOEXEC'))
+        if _supported:
+            try:
+                os.close(os.pidfd_open(os.getpid()))
+            except OSError:
+                _supported = False
+    return _supported
+
+
+#: The exit code of a child that ended without the fork server's report of it (the fork server died with it).
+UNKNOWN_EXIT = -1
+# seconds an ended child's exit code may take to arrive (the fork server reaps it at once)
+_REPORT_WAIT_S = 5.0
 
 
 class ForkedProcess:
     """A child of a fork server, as much of ``subprocess.Popen`` as the compile service uses: ``pid``, ``poll``,
-    ``kill``, ``wait`` and ``returncode`` (the exit code, or minus the signal that ended it)."""
+    ``kill``, ``wait`` and ``returncode`` (the exit code, or minus the signal that ended it; :data:`UNKNOWN_EXIT`
+    where the fork server did not report it). In a fork of the serving process it is another process's child, and
+    ended to it, as ``Popen`` says of a child that is not its own: it is never signalled from there."""
 
     def __init__(self, pid: int, pidfd: int):
         self.pid = pid
         self._pidfd = pidfd
+        self._owner = os.getpid()
         self.returncode: int | None = None
         self._ended = threading.Event()
         self._lock = threading.Lock()
 
     def poll(self) -> int | None:
+        if os.getpid() != self._owner:
+            return 0
         with self._lock:
-            # a pidfd turns readable when its process ends: the fork server's report of the exit code follows
-            ended = self.returncode is None and self._pidfd >= 0 and bool(select.select([self._pidfd], [], [], 0)[0])
+            ended = self.returncode is None and self._pidfd >= 0 and _readable(self._pidfd)
         if ended:
-            self._ended.wait(_FORK_TIMEOUT_S)
+            # a pidfd turns readable when its process ends: the fork server's report of the exit code follows (it
+            # never does once the interpreter is finalizing: its thread runs no more)
+            if sys.is_finalizing() or not self._ended.wait(_REPORT_WAIT_S):
+                self._end(UNKNOWN_EXIT)
         return self.returncode
 
     def kill(self) -> None:
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             if self._pidfd < 0:  # reaped: nothing to signal
                 return
@@ -99,8 +130,15 @@ class ForkedProcess:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f'grammar compiler process {self.pid}', timeout)
+        if os.getpid() != self._owner:
+            return 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ended.wait(_REPORT_WAIT_S if deadline is None else
+                                   max(0.0, min(_REPORT_WAIT_S, deadline - time.monotonic()))):
+            if self.poll() is not None:  # ended, its report lost
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f'grammar compiler process {self.pid}', timeout)
         return self.returncode
 
     def _end(self, code: int) -> None:
@@ -116,6 +154,14 @@ class ForkedProcess:
         with contextlib.suppress(Exception):
             if self._pidfd >= 0:
                 os.close(self._pidfd)
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` is readable now (``poll``: ``select`` refuses descriptors from 1024 on, which a server with many
+    connections hands out)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class ForkServer:
@@ -147,13 +193,18 @@ class ForkServer:
             if not self._ready:
                 first = self._reply(_STARTUP_TIMEOUT_S)
                 if first[0] != 'ready':
+                    global _disabled
+                    _disabled = True  # (a failed import fails again: each start would cost it again)
                     self.dead = True
                     self.close()
-                    raise OSError(f'the fork server did not start: {first[1]}')
+                    raise OSError(f'the fork server did not start ({first[1]}); this process starts fresh '
+                                  f'interpreters from now on')
                 self._ready = True
             if self.dead:
                 raise OSError('the fork server died')
-            socket.send_fds(self._sock, [json.dumps(['fork', target, list(args)]).encode()], [fd])
+            # MSG_NOSIGNAL: a fork server gone is an OSError here, never a SIGPIPE that a host script left fatal
+            socket.send_fds(self._sock, [json.dumps(['fork', target, list(args)]).encode()], [fd],
+                            socket.MSG_NOSIGNAL)
             reply = self._reply(_FORK_TIMEOUT_S)
             if reply[0] != 'forked':
                 raise OSError(f'the fork server could not fork: {reply[1]}')
@@ -196,13 +247,18 @@ class ForkServer:
         try:
             while True:
                 try:
-                    data, fds, _, _ = socket.recv_fds(self._sock, _MESSAGE_BYTES, 1)
+                    # close-on-exec: a pidfd must not leak into a program the serving process runs
+                    data, fds, _, _ = socket.recv_fds(self._sock, _MESSAGE_BYTES, 1, socket.MSG_CMSG_CLOEXEC)
                 except OSError:
                     data, fds = b'', []
                 if not data:
                     break
                 message = json.loads(data)
-                if message[0] == 'forked':
+                if message[0] == 'forked' and not fds:
+                    # no descriptor left to receive it in (the fd limit): the child ends when the caller's end of its
+                    # socket closes with the failed start
+                    self._replies.put(('error', 'no descriptor for the pidfd of the child'))
+                elif message[0] == 'forked':
                     child = ForkedProcess(message[1], fds[0])
                     with self._children_lock:
                         self._children[child.pid] = child
@@ -224,8 +280,8 @@ class ForkServer:
             for child in children:
                 child._end(-signal.SIGKILL)
             self._replies.put(('error', 'the fork server died'))
-            with contextlib.suppress(OSError):
-                self._sock.close()
+            with contextlib.suppress(OSError):  # closed with the object: a fork() may be sending on it right now
+                self._sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(Exception):
                 self.process.kill()
                 self.process.wait(timeout=10)
@@ -241,7 +297,7 @@ def fork_server(preload: str) -> ForkServer | None:
     """This process's fork server that preloaded ``preload``, started on first use and again after it died; None
     where the platform lacks what it needs (:func:`supported`)."""
     global _servers_pid
-    if not supported():
+    if _disabled or not supported():
         return None
     with _servers_lock:
         if _servers_pid != os.getpid():  # a fork of a process that had some: theirs are the parent's
@@ -259,6 +315,8 @@ def _serve(fd: int, parent_pid: int, preload: str) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the fork server and its children end with the serving
     # process (above), not before it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the mask of the thread that started it is inherited: SIGCHLD must arrive to wake the loop below
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     sock = socket.socket(fileno=fd)
     try:
         importlib.import_module(preload)
@@ -272,22 +330,40 @@ def _serve(fd: int, parent_pid: int, preload: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below (the wakeup fd)
     sock.send(json.dumps(['ready']).encode())
     me = os.getpid()
+    children: set[int] = set()
+    try:
+        _fork_loop(sock, wake_r, wake_w, me, children)
+    finally:
+        # the serving process went away: end the children now and reap them (they would end with this process
+        # anyway, but nobody might reap them then: a container whose first process does not)
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.waitpid(pid, 0)
+
+
+def _fork_loop(sock: socket.socket, wake_r: int, wake_w: int, me: int, children: set) -> None:
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
                     pass
-        _reap(sock)
+        _reap(sock, children)
         if sock not in ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 1)
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 1, socket.MSG_CMSG_CLOEXEC)
         except OSError:
             return
         if not data:  # the serving process went away
             return
         _, target, args = json.loads(data)
+        if not fds:
+            sock.send(json.dumps(['error', 'no socket came with the request']).encode())
+            continue
         try:
             pid = os.fork()
         except OSError as exc:
@@ -313,6 +389,7 @@ def _serve(fd: int, parent_pid: int, preload: str) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
+        children.add(pid)
         for child_fd in fds:  # the child holds its socket alone: its death shows as EOF to the serving process
             os.close(child_fd)
         try:
@@ -327,8 +404,9 @@ def _serve(fd: int, parent_pid: int, preload: str) -> None:
             os.close(pidfd)
 
 
-def _reap(sock: socket.socket) -> None:
-    """Reap the children that ended and tell the serving process their exit codes."""
+def _reap(sock: socket.socket, children: set) -> None:
+    """Reap the children that ended and tell the serving process their exit codes (a send that fails ends the fork
+    server: the serving process is gone)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -336,5 +414,5 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        with contextlib.suppress(OSError):
-            sock.send(json.dumps(['exited', pid, os.waitstatus_to_exitcode(status)]).encode())
+        children.discard(pid)
+        sock.send(json.dumps(['exited', pid, os.waitstatus_to_exitcode(status)]).encode())

@@ -115,3 +115,89 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.split() == ['the', 'script', 'ran', 'False'], out.stdout
+
+
+def test_a_service_answers_while_its_fork_server_starts():
+    """The fork server starts (seconds: it imports xgrammar) when a compiler process first starts, and again after it
+    died. The service started its process under its lock, so submit(), lookup() and close() (an engine's step, the
+    server's event loop) waited those seconds."""
+    _first_check_s(fork=True)  # this process's fork server is up
+    deadline = time.monotonic() + 10
+    old = fork_server(PRELOAD)
+    old.process.kill()
+    while not old.dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert old.dead
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=120, max_workers=1) as service:
+        slowest = 0.0
+        while not (service._children[0] is not None and service._children[0].ready):
+            start = time.perf_counter()
+            assert service.lookup('regex', 'not-compiled[0-9]') is None
+            slowest = max(slowest, time.perf_counter() - start)
+            time.sleep(0.01)
+        assert slowest < 0.5, slowest
+        assert fork_server(PRELOAD) is not old
+        assert service.compile('regex', 'then[0-9]') is not None
+
+
+def test_a_service_serves_with_descriptors_numbered_past_1024():
+    """A server with many connections hands out descriptors numbered past 1024, which ``select`` refuses: the pidfd
+    of a compiler process was one, and every compile and check failed with a ValueError (an invalid-grammar error to
+    the client), and the service could not close."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f'the descriptor limit is {hard}')
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    null = os.open(os.devnull, os.O_RDONLY)
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1030:
+            fillers.append(os.dup(null))
+        with GrammarCompileService(tokenizer_info('llama3'), timeout_s=120, max_workers=1) as service:
+            assert service.compile('regex', 'high-fd[0-9]') is not None
+            child = service._children[0].process
+            assert child._pidfd >= 1024, child._pidfd
+            future = service.submit('json_schema', SLOW)
+            deadline = time.monotonic() + 30
+            while not future.running() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            child.kill()
+            with pytest.raises(GrammarCompilerUnavailable, match='died'):
+                future.result(timeout=30)
+            assert service.compile('regex', 'high-fd-again[0-9]') is not None
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        os.close(null)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_fork_of_the_serving_process_leaves_its_compiler_processes_alone():
+    """A process manager's worker forked from a serving process inherits its services (and the checker's close at
+    exit) and the pidfds of their processes: closing them there killed the parent's compiler processes, and waited
+    for exit reports that only the parent's thread reads."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=120, max_workers=1) as service:
+        assert service.compile('regex', 'before-fork[0-9]') is not None
+        child = service._children[0].process
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child reports by its exit code)
+            code = 1
+            try:
+                start = time.monotonic()
+                service.close()
+                code = 0 if time.monotonic() - start < 5 else 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail('the fork did not end within 60 s')
+            time.sleep(0.05)
+        status = ended[1]
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert child.poll() is None and _state(child.pid) not in (None, 'Z')
+        assert service.compile('regex', 'after-fork[0-9]') is not None
+        assert service._children[0].process is child
