@@ -218,6 +218,15 @@ def is_compiler(pid: int) -> bool:
     return any(mark in cmd for mark in COMPILER_MARKS)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (not gone, not a zombie)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except (OSError, IndexError):
+        return False
+
+
 def parent_pid(pid: int) -> int | None:
     try:
         with open(f'/proc/{pid}/stat') as f:

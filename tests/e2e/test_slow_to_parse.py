@@ -83,16 +83,22 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             dying = pool.submit(timed, slow(50_000))
             deadline = time.monotonic() + 60
-            killed = 0
+            killed = []
             while not dying.done() and time.monotonic() < deadline:
                 time.sleep(2)
                 # the checker's processes are the server's compiler processes (the fork server's children)
                 for pid in traffic.compiler_processes(proc.pid):
+                    if dying.done():  # a process killed now would die under the next request
+                        break
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                        killed += 1
+                        killed.append(pid)
             _, err = dying.result(timeout=60)
         assert killed, 'no checker process was found'
+        # the next request must not meet a process killed above that has yet to end (a kill takes effect later)
+        deadline = time.monotonic() + 30
+        while any(traffic.alive(pid) for pid in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert err.status_code == 503 and 'could not be checked' in err.message, err
         assert err.body['type'] and err.body['message'], err.body
         other = {'type': 'object', 'properties': {'y': {'type': 'integer'}}, 'required': ['y']}
