@@ -174,6 +174,55 @@ def _refused(client, model, messages, fmt, reason):
         assert reason in choice.message.content, choice
 
 
+def test_sampling_that_leaves_one_token_is_greedy_decoding(server):
+    """Through the server (eagle3), concurrent and streamed: sampling that leaves a single token at each step
+    (``top_k=1``, a ``top_p`` or ``min_p`` that only the likeliest token passes, a temperature of 1e-38) must give
+    greedy decoding's tokens, guided or not. Speculative decoding verified the drafts against the logits before
+    ``top_k``/``top_p``/``min_p`` (patch 0040 of 0.18.0, 0053 of 0.14.0), so it sampled tokens they exclude; a
+    ``top_k`` beyond the vocabulary or a temperature of 1e-38 stopped the engine for every request (patch 0039,
+    0052)."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    person = response_format('json_schema')
+    # (the unguided row: the tiny model's first greedy token ends it otherwise)
+    cases = [(person, 'A person, please.', 96, {}), (YEAR, 'Which year?', 16, {}),
+             (None, 'Hello!', 24, {'ignore_eos': True})]
+
+    def ask(fmt, prompt, max_tokens, own, stream=False, extra_body=None, **sampling):
+        args = dict(model=model, messages=[{'role': 'user', 'content': prompt}], max_tokens=max_tokens,
+                    extra_body={**own, **(extra_body or {})}, **sampling)
+        if fmt is not None:
+            args['response_format'] = fmt
+        if not stream:
+            choice = client.chat.completions.create(**args).choices[0]
+            return choice.message.content or '', choice.finish_reason
+        parts, reason = [], None
+        for chunk in client.chat.completions.create(stream=True, **args):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or '')
+                reason = chunk.choices[0].finish_reason or reason
+        return ''.join(parts), reason
+
+    greedy = [ask(*case, temperature=0) for case in cases]
+    assert all(text for text, _ in greedy), greedy
+    # (the OpenAI arguments, lmdeploy's own): each leaves one token per step
+    one_token = [({'temperature': 1.0}, {'top_k': 1}), ({'temperature': 1.5, 'top_p': 1e-6}, {}),
+                 ({'temperature': 1.0}, {'min_p': 1.0}), ({'temperature': 1e-38}, {'top_k': 10**9})]
+    asks = [(case, stream) for case in cases for stream in (False, True)]
+    for i, (openai_args, own) in enumerate(one_token):
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            futures = [pool.submit(ask, *case, stream, seed=100 * i + j, extra_body=own, **openai_args)
+                       for j, (case, stream) in enumerate(asks)]
+            answers = [future.result() for future in futures]
+        for (case, stream), answer, expected in zip(asks, answers, [g for g in greedy for _ in (False, True)]):
+            assert answer == expected, (openai_args, own, case[1], stream, answer[0], expected[0])
+            if case[0] is not None:
+                check_valid(answer[0], case[0])
+    assert proc.poll() is None, log.read_text()[-4000:]
+    assert traffic.health(base) == 200
+
+
 def test_patterns_xgrammar_compiles_inexactly(server):
     """A schema whose patterns xgrammar 0.2.8 compiles inexactly (its automaton, its rules of a pattern beyond
     ASCII), sampled: the output is JSON that satisfies the patterns."""
