@@ -1062,6 +1062,7 @@ class GrammarCompileService:
         return 'builtin JSON grammar' if job.source is None else f'{job.kind} grammar ({len(job.source):,} bytes)'
 
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
+        waited = time.monotonic() - job.queued_at
         child = self._child(slot)
         checks = job.check_timeout_s is not None
         doing, limit = ('checking', job.check_timeout_s) if checks else ('compiling', self.timeout_s)
@@ -1082,9 +1083,15 @@ class GrammarCompileService:
                 f'fresh one starts with the next compile') from None
         if reply is None:
             self._drop_child(slot)
-            raise GrammarCompileTimeout(
-                f'{doing} a {self._describe(job)} took longer than {limit:g} s and was stopped; raise the limit with '
-                f'the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+            message = (f'{doing} a {self._describe(job)} took longer than {limit:g} s and was stopped; raise the limit '
+                       f'with the environment variable {COMPILE_TIMEOUT_ENV} (seconds) or simplify the schema')
+            if waited < 1:
+                raise GrammarCompileTimeout(message)
+            # the caller waited longer than the limit says: behind other grammars, for a free compiler process
+            error = GrammarCompileTimeout(f'{message} (before that it waited {waited:.0f} s for a free compiler '
+                                          f'process, behind other grammars)')
+            error.remembered = GrammarCompileTimeout(message)  # what a later request of this source is told
+            raise error
         if reply[0] == 'checked':
             return reply[1]
         if reply[0] == 'error':  # a check's reason is xgrammar's alone; a compile's starts with its type
@@ -1128,7 +1135,8 @@ class GrammarCompileService:
             elif error is None or isinstance(error, GrammarCompileError):
                 self._remember_check(job.key, result if error is None else error)
             elif isinstance(error, GrammarCompileTimeout) and not isinstance(error, GrammarCompileBusy):
-                self._remember_check(job.key, _TimedOut(error, job.check_timeout_s, time.monotonic()))
+                self._remember_check(job.key, _TimedOut(getattr(error, 'remembered', error), job.check_timeout_s,
+                                                        time.monotonic()))
         if job.future.done():
             return
         if not job.future.running() and not job.future.set_running_or_notify_cancel():

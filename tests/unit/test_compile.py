@@ -324,6 +324,26 @@ def test_a_slow_check_is_stopped_at_the_limit_and_the_checker_serves_on(monkeypa
     assert 2 * TIMEOUT_S <= time.perf_counter() - start
 
 
+def test_a_check_that_waited_for_a_process_says_so():
+    """Slow sources queued behind each other: the last was stopped at a limit of 2 s, but its caller waited several
+    times that, and the message said only "took longer than 2 s". It says how long it waited before; a later request
+    of the same source, refused at once from memory, is told the limit alone."""
+    with GrammarCompileService(None, timeout_s=60, max_workers=1) as checker:
+        assert checker.check('regex', 'warm-up').result(timeout=60) is False
+        first = checker.check('json_schema', _slow(40_010), timeout_s=2)
+        second = checker.check('json_schema', _slow(40_011), timeout_s=2)
+        with pytest.raises(GrammarCompileTimeout) as info:
+            first.result(timeout=60)
+        assert 'waited' not in str(info.value), info.value
+        with pytest.raises(GrammarCompileTimeout, match=r'took longer than 2 s .*before that it waited [2-9] s for a '
+                                                        r'free compiler process, behind other grammars'):
+            second.result(timeout=60)
+        again = checker.check('json_schema', _slow(40_011), timeout_s=2)
+        with pytest.raises(GrammarCompileTimeout) as info:
+            again.result(timeout=1)
+        assert 'longer than 2 s' in str(info.value) and 'waited' not in str(info.value), info.value
+
+
 def test_checks_side_by_side_do_not_wait_for_a_slow_one(monkeypatch):
     """Two checker processes: a slow check holds one until its limit, the other answers meanwhile."""
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '20')
