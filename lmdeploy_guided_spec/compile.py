@@ -33,7 +33,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from .errors import (
     GrammarCompileTimeout,
     xgrammar_reason,
 )
-from .forkserver import ForkedProcess, end_with_parent, fork_server
+from .forkserver import ForkedProcess, end_with_parent, fork_server, start_interpreter
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
@@ -544,12 +543,7 @@ class _Child:
 
     @staticmethod
     def _spawn(child_sock: socket.socket, max_threads: int) -> subprocess.Popen:
-        env = dict(os.environ)
-        # the child imports this package from wherever the parent found it
-        env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
-        return subprocess.Popen(
-            [sys.executable, '-c', _CHILD_CODE, str(child_sock.fileno()), str(max_threads), str(os.getpid())],
-            pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
+        return start_interpreter(_CHILD_CODE, child_sock.fileno(), max_threads, os.getpid())
 
     def wait_ready(self) -> None:
         """Hand the child its tokenizer (None: it checks only) and wait until it can compile."""

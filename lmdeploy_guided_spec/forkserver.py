@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 
-__all__ = ['ForkServer', 'ForkedProcess', 'fork_server', 'end_with_parent']
+__all__ = ['ForkServer', 'ForkedProcess', 'fork_server', 'end_with_parent', 'start_interpreter']
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,15 @@ def end_with_parent(parent_pid: int) -> None:
 _supported: bool | None = None
 # set where a fork server did not start (its import failed or hung): this process starts fresh interpreters
 _disabled = False
+
+
+def start_interpreter(code: str, fd: int, *args: object) -> subprocess.Popen:
+    """A plain interpreter that runs ``code`` with ``fd`` (passed to it) and ``args`` as its arguments, and imports
+    this package from wherever this process found it."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
+    return subprocess.Popen([sys.executable, '-c', code, str(fd), *map(str, args)], pass_fds=(fd,),
+                            stdin=subprocess.DEVNULL, env=env, close_fds=True)
 
 
 def supported() -> bool:
@@ -230,14 +239,9 @@ class ForkServer:
         """The fork server's whole life, on one thread: start it (its parent thread is this one, so it ends with this
         process, not with a thread that came and went), then pass on its answers and the exit codes of its
         children until it ends."""
-        env = dict(os.environ)
-        # the fork server imports this package from wherever the serving process found it
-        env['PYTHONPATH'] = os.pathsep.join(p for p in sys.path if p)
         try:
             try:
-                self.process = subprocess.Popen(
-                    [sys.executable, '-c', _SERVER_CODE, str(theirs.fileno()), str(os.getpid()), self.preload],
-                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                self.process = start_interpreter(_SERVER_CODE, theirs.fileno(), os.getpid(), self.preload)
             finally:
                 theirs.close()
         except OSError as exc:

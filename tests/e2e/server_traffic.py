@@ -188,12 +188,9 @@ def group_processes(group: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            if os.getpgid(int(entry)) != group:
-                continue
-            with open(f'/proc/{entry}/stat') as f:
-                if f.read().rsplit(')', 1)[1].split()[0] != 'Z':
-                    pids.append(int(entry))
-        except (OSError, IndexError):
+            if os.getpgid(int(entry)) == group and alive(int(entry)):
+                pids.append(int(entry))
+        except OSError:
             continue  # gone meanwhile
     return pids
 
@@ -218,21 +215,24 @@ def is_compiler(pid: int) -> bool:
     return any(mark in cmd for mark in COMPILER_MARKS)
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (not gone, not a zombie)."""
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the process name (state, parent pid, ...), empty for a process gone."""
     try:
         with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+            return f.read().rsplit(')', 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return []
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (not gone, not a zombie)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != 'Z'
 
 
 def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return int(f.read().rsplit(')', 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def compiler_processes(pid: int) -> list[int]:
