@@ -24,6 +24,7 @@ _EXPORTS = {
     'GrammarCompileTimeout': 'errors',
     'GrammarCompileBusy': 'errors',
     'GrammarCompilerUnavailable': 'errors',
+    'CheckAbandoned': 'errors',
     'GuidedFieldError': 'errors',
     'xgrammar_reason': 'errors',
     'response_format_from_fields': 'guided_fields',

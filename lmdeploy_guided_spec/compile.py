@@ -24,6 +24,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -35,7 +36,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ import xgrammar as xgr
 from . import regular
 from .env import positive_from_env
 from .errors import (
+    CheckAbandoned,
     GrammarCompileBusy,
     GrammarCompileError,
     GrammarCompilerUnavailable,
@@ -57,7 +59,8 @@ __all__ = [
     'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
     'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
     'compile_timeout_s_from_env', 'grammar_is_empty', 'grammar_checker', 'conversion_cost', 'SLOW_CONVERSION_COST',
-    'SLOW_QUEUED', 'SLOW_QUEUED_ENV', 'slow_queued_from_env', 'entry_check_executor', 'run_entry_check'
+    'SLOW_QUEUED', 'SLOW_QUEUED_ENV', 'slow_queued_from_env', 'entry_check_executor', 'run_entry_check',
+    'DISCONNECT_POLL_S'
 ]
 
 logger = logging.getLogger(__name__)
@@ -508,6 +511,8 @@ class _Job:
     slow: bool = field(init=False)
     #: when it was queued (``time.monotonic``): a slow job that waited longer than the limit goes first
     queued_at: float = field(default_factory=time.monotonic)
+    #: every caller left while it ran (:meth:`GrammarCompileService.abandon`): its process was killed
+    abandoned: bool = field(default=False, init=False)
 
     def __post_init__(self):
         self.slow = conversion_cost(self.source) >= SLOW_CONVERSION_COST
@@ -668,11 +673,15 @@ class GrammarCompileService:
         # one slow source are one job but as many waiting threads), and their sum, bounded by twice slow_queued
         self._sharers: dict[tuple | bytes, int] = {}
         self._slow_waiters = 0
+        # callers of each job in flight that have not left it (abandon): a job none waits for is dropped or stopped
+        self._callers: dict[tuple | bytes, int] = {}
         # jobs waiting for a compiler thread, and which threads run one, under one condition: a thread after the
         # first takes a job only while all before it are busy, so its process starts only when compiles overlap
         # (each holds about 100 MB of its own for a 128k vocabulary beside the fork server, 240 MB started fresh)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._busy = [False] * max_workers
+        # the job each slot runs (under _gate, set when it leaves the queue)
+        self._running: list[_Job | None] = [None] * max_workers
         # slot 0 starts its process (again, after a kill) outside any job: a thread after it whose process is ready
         # takes jobs meanwhile instead of waiting seconds for that start
         self._starting = [False] * max_workers
@@ -801,6 +810,43 @@ class GrammarCompileService:
             self._cache.move_to_end(key)
             return cached[0]
 
+    def abandon(self, future: concurrent.futures.Future) -> None:
+        """A caller of :meth:`submit` or :meth:`check` stops waiting for ``future`` (its client went away); once per
+        call, and nothing for a future that is done.
+
+        The job goes on while other callers wait for it. Once none is left it is dropped from the queue, or stopped
+        where it runs (its process killed: the next job starts a fresh one, in milliseconds from the fork server),
+        and ``future`` fails with :class:`GrammarCompilerUnavailable`. The caller no longer counts against the bound
+        of requests waiting for grammars that look slow to parse, at once: requests that went away left live ones
+        refused with :class:`GrammarCompileBusy` until their grammars reached the limit.
+        """
+        with self._gate, self._lock:  # (nothing takes _gate while it holds _lock)
+            key = next((key for key, inflight in self._inflight.items() if inflight is future), None)
+            if key is None:
+                return
+            self._callers[key] -= 1
+            if self._sharers.get(key, 0) > 0:
+                self._sharers[key] -= 1
+                self._slow_waiters -= 1
+            if self._callers[key] > 0:
+                return
+            job = next((job for job in self._jobs if job.future is future), None)
+            if job is None:
+                job = next((job for job in self._running if job is not None and job.future is future), None)
+                if job is not None:
+                    slot = self._running.index(job)
+                    job.abandoned = True
+                    child = self._children[slot]
+                    if child is not None and child.process.poll() is None:
+                        child.process.kill()  # its thread reads the death, finishes the job and drops the child
+                return
+            self._jobs.remove(job)
+        self._finish(job, error=self._abandoned(job))
+
+    def _abandoned(self, job: _Job) -> GrammarCompilerUnavailable:
+        doing = 'checking' if job.check_timeout_s is not None else 'compiling'
+        return GrammarCompilerUnavailable(f'{doing} a {self._describe(job)} was stopped: every caller left')
+
     def compile(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar:
         """Blocking :meth:`submit`: wait for the grammar (for tools and tests, never for an engine loop)."""
         return self.submit(kind, source, **options).result()
@@ -864,6 +910,7 @@ class GrammarCompileService:
                 return future
             inflight = self._inflight.get(key)
             if inflight is not None and key not in self._sharers:
+                self._callers[key] += 1
                 return inflight
             new = job() if inflight is None else None
             if key in self._sharers or new.slow:
@@ -874,8 +921,10 @@ class GrammarCompileService:
                 self._sharers[key] = self._sharers.get(key, 0) + 1
                 self._slow_waiters += 1
                 if inflight is not None:
+                    self._callers[key] += 1
                     return inflight
             self._inflight[key] = new.future
+            self._callers[key] = 1
         with self._gate:
             refused = None
             if self._closed:  # close() took the queue after the check above: nothing would take this job
@@ -947,6 +996,7 @@ class GrammarCompileService:
                     continue
                 self._jobs.remove(job)
                 self._busy[slot] = True
+                self._running[slot] = job
                 if job.slow and not self._slow_taken:
                     self._slow_taken = True
                 # the next thread takes a job only while this one is busy: it must look again now, or a job queued
@@ -955,6 +1005,11 @@ class GrammarCompileService:
             try:
                 self._serve_job(slot, job)
             finally:
+                with self._gate:
+                    self._running[slot] = None
+                    abandoned = job.abandoned
+                if abandoned:  # killed after its answer came: not a process that died while idle
+                    self._drop_child(slot)
                 with self._gate:
                     self._busy[slot] = False
                     self._gate.notify_all()
@@ -1014,7 +1069,7 @@ class GrammarCompileService:
         try:
             result = self._run(slot, job)
         except BaseException as exc:  # every failure belongs to this job's future, the thread serves on
-            self._finish(job, error=exc)
+            self._finish(job, error=self._abandoned(job) if job.abandoned else exc)
         else:
             self._finish(job, result=result)
 
@@ -1143,6 +1198,7 @@ class GrammarCompileService:
     def _release(self, key) -> None:
         """Forget the job of ``key`` in flight and its callers (under ``_lock``)."""
         self._inflight.pop(key, None)
+        self._callers.pop(key, None)
         self._slow_waiters -= self._sharers.pop(key, 0)
 
     def _remember_check(self, key: bytes, answer) -> None:
@@ -1210,7 +1266,60 @@ def entry_check_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _entry_checks
 
 
-async def run_entry_check(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+#: How often (seconds) :func:`run_entry_check` asks whether the client of a check that is not answered yet went away
+DISCONNECT_POLL_S = 0.5
+
+
+class _EntryCheck:
+    """The request one :func:`run_entry_check` runs for, as the checks it waits for see it (a context variable of
+    its thread): when it goes away, each wait ends with :class:`CheckAbandoned` and leaves its job
+    (:meth:`GrammarCompileService.abandon`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._waits: list[tuple[GrammarCompileService, concurrent.futures.Future, threading.Event]] = []
+        self.abandoned = False
+
+    def result(self, service: GrammarCompileService, future: concurrent.futures.Future) -> Any:
+        """The result of ``future`` (a job of ``service``), waited for while the request is there."""
+        woken = threading.Event()
+        wait = (service, future, woken)
+        with self._lock:
+            abandoned = self.abandoned
+            if not abandoned:
+                self._waits.append(wait)
+        if abandoned:
+            service.abandon(future)
+        else:
+            future.add_done_callback(lambda _: woken.set())
+            woken.wait()
+            with self._lock:
+                self._waits.remove(wait)
+        if self.abandoned or not future.done():
+            raise CheckAbandoned('the request went away before its grammar was checked')
+        return future.result()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            waits = list(self._waits)
+        for service, future, woken in waits:
+            service.abandon(future)
+            woken.set()
+
+
+_entry_check: contextvars.ContextVar[_EntryCheck | None] = contextvars.ContextVar('guided_spec_entry_check',
+                                                                                  default=None)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Take the outcome of a future nobody awaits any more (asyncio logs an exception never retrieved)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def run_entry_check(func: Callable[..., Any], *args: Any,
+                          disconnected: Callable[[], Awaitable[bool]] | None = None, **kwargs: Any) -> Any:
     """``func(*args, **kwargs)`` on a thread of :func:`entry_check_executor`, awaited: the entry check of a request
     (it waits for :func:`grammar_is_empty`) off the event loop.
 
@@ -1218,9 +1327,31 @@ async def run_entry_check(func: Callable[..., Any], *args: Any, **kwargs: Any) -
     check of a source slow to parse holds its thread for up to the compile limit, so a few such requests held every
     thread, and every other request that needs one (a guided request whose grammar was checked before, a
     multimodal request's preprocessing) waited behind them.
+
+    A request that goes away leaves its check: where ``disconnected`` (a server's ``Request.is_disconnected``,
+    asked every :data:`DISCONNECT_POLL_S` s while the check is not answered) says so, this raises
+    :class:`CheckAbandoned`, and where the awaiting task is cancelled, the cancellation goes on. Either way the
+    thread stops waiting at once, and a check nobody else waits for is dropped or stopped: requests whose clients
+    closed their connections held the queue of grammars slow to parse for the whole limit, and live clients were
+    refused with HTTP 429 meanwhile.
     """
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(entry_check_executor(), functools.partial(func, *args, **kwargs))
+    entry = _EntryCheck()
+    context = contextvars.copy_context()
+    context.run(_entry_check.set, entry)
+    future = loop.run_in_executor(entry_check_executor(), context.run, functools.partial(func, *args, **kwargs))
+    try:
+        if disconnected is None:
+            await asyncio.wait((future,))
+        while not future.done():
+            await asyncio.wait((future,), timeout=DISCONNECT_POLL_S)
+            if not future.done() and await disconnected():
+                raise CheckAbandoned('the client disconnected before its grammar was checked')
+    finally:
+        if not future.done():  # (a cancelled wait leaves the future to the thread, which ends at once now)
+            entry.abandon()
+            future.add_done_callback(_retrieve)
+    return future.result()
 
 
 def grammar_is_empty(kind: str, source: str | dict | None = None, **options: Any) -> bool:
@@ -1236,4 +1367,8 @@ def grammar_is_empty(kind: str, source: str | dict | None = None, **options: Any
     once. Blocks: call it from a worker thread, never from an event loop.
     """
     limit = compile_timeout_s_from_env()
-    return grammar_checker().check(kind, source, timeout_s=limit, **options).result()
+    checker = grammar_checker()
+    future = checker.check(kind, source, timeout_s=limit, **options)
+    entry = _entry_check.get()
+    # in run_entry_check, the wait ends (CheckAbandoned) when the request goes away
+    return future.result() if entry is None else entry.result(checker, future)

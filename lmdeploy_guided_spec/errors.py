@@ -2,7 +2,8 @@
 import re
 
 __all__ = ['GuidedSpecError', 'VocabMapError', 'FsmError', 'GrammarRejectedError', 'GrammarCompileError',
-           'GrammarCompileTimeout', 'GrammarCompilerUnavailable', 'GuidedFieldError', 'xgrammar_reason']
+           'GrammarCompileTimeout', 'GrammarCompilerUnavailable', 'CheckAbandoned', 'GuidedFieldError',
+           'xgrammar_reason']
 
 
 class GuidedSpecError(Exception):
@@ -44,6 +45,11 @@ class GrammarCompileBusy(GrammarCompileTimeout):
 
 class GrammarCompilerUnavailable(GuidedSpecError, RuntimeError):
     """The grammar compile service is closed, or its compiler process died while compiling."""
+
+
+class CheckAbandoned(GuidedSpecError):
+    """The request of an entry check went away before its answer (its client disconnected, its task was cancelled):
+    the check stopped waiting, and a grammar nobody else waits for was dropped or stopped."""
 
 
 class GuidedFieldError(GuidedSpecError, ValueError):

@@ -4,7 +4,10 @@ format, streaming and not, and clients that disconnect mid-stream (``test_server
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
@@ -179,6 +182,17 @@ def patterned(base: str, alive: Callable[[], None], seeds: int = 12) -> int:
 
 def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
+
+
+def posted(base: str, path: str, body: dict) -> socket.socket:
+    """A connection that has sent a POST of ``body`` to ``path`` and reads nothing: its client goes away when the
+    caller closes it."""
+    url = urllib.parse.urlsplit(base)
+    data = json.dumps(body).encode()
+    conn = socket.create_connection((url.hostname, url.port), timeout=10)
+    conn.sendall(f'POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n'
+                 f'Content-Length: {len(data)}\r\n\r\n'.encode() + data)
+    return conn
 
 
 def group_processes(group: int) -> list[int]:

@@ -76,6 +76,22 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
                 assert 'wait already' in err.message and err.body['type'], err.body
             else:
                 assert err.status_code == 400 and 'longer than 20 s' in err.message, err
+        # clients that go away while their schemas slow to parse are checked: their checks stop with them. They
+        # held the checker's queue for the whole limit, and a live client's slow schema got HTTP 429 meanwhile
+        left = [traffic.posted(base, '/v1/chat/completions', {
+            'model': model, 'messages': messages, 'max_tokens': 8, 'response_format': slow(40_100 + i)})
+            for i in range(10)]
+        time.sleep(1.5)  # the server has read them and started their checks (a client gone before is not checked)
+        for conn in left:
+            conn.close()
+        time.sleep(1.5)
+        start = time.perf_counter()
+        try:
+            served, choice = ask(slow(2_000))  # it looks slow to parse, and parses in a second
+        except openai.APIStatusError as err:
+            raise AssertionError(f'refused after {time.perf_counter() - start:.1f} s: {err}') from err
+        print(f'[slow to parse] beside 10 that went away: a new slow-looking one served in {served:.1f} s')
+        assert choice.finish_reason in ('length', 'stop') and served < 15, served
         # a process of the server's checker dies under a check: the server's fault, HTTP 503 (OpenAI's clients send
         # it again), and the next check starts a fresh process. The checker's processes are killed until the
         # request is answered: the check may not have reached a process yet (a process that a timeout above

@@ -591,6 +591,89 @@ def test_entry_checks_wait_on_threads_of_their_own():
     assert asyncio.run(main()) < 1
 
 
+def test_callers_that_leave_free_the_queue_of_slow_sources(monkeypatch):
+    """Requests that went away (clients that closed their connections) kept their checks of sources slow to parse
+    queued and running for the whole limit, and live callers were refused as busy meanwhile. A job whose last caller
+    leaves is dropped from the queue or stopped where it runs; a job shared with a caller still there goes on."""
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED', '2')
+    with GrammarCompileService(None, timeout_s=60, max_workers=1) as checker:
+        running = checker.check('json_schema', _slow(40_030))
+        deadline = time.monotonic() + 30
+        while not running.running() and time.monotonic() < deadline:  # its process has taken it
+            time.sleep(0.05)
+        queued = [checker.check('json_schema', _slow(40_031 + i)) for i in range(2)]
+        shared = checker.check('json_schema', _slow(40_031))  # a copy: the same job, a second caller
+        assert shared is queued[0] and checker._slow_waiters == 4
+        with pytest.raises(GrammarCompileBusy):
+            checker.check('json_schema', _slow(2_100)).result(timeout=1)
+        pid = checker._children[0].process.pid
+        start = time.perf_counter()
+        for future in [running, *queued]:
+            checker.abandon(future)
+        # the copy of _slow(40_031) whose caller is still there goes on; the others end at once
+        assert checker._slow_waiters == 1 and not queued[0].done()
+        for future in (running, queued[1]):
+            with pytest.raises(GrammarCompilerUnavailable, match='stopped: every caller left'):
+                future.result(timeout=10)
+        assert time.perf_counter() - start < 10
+        with pytest.raises(ProcessLookupError):  # the process that parsed for nobody was killed (and reaped)
+            os.kill(pid, 0)
+        checker.abandon(running)  # done already: nothing
+        checker.abandon(shared)
+        with pytest.raises(GrammarCompilerUnavailable, match='every caller left'):
+            queued[0].result(timeout=10)
+        assert checker._slow_waiters == 0 and not checker._sharers and not checker._callers
+        # a source that looks slow (it parses in a second) is checked now, by a fresh process
+        assert checker.check('json_schema', _slow(2_100)).result(timeout=60) is False
+        assert time.perf_counter() - start < 20
+        # nothing of the stopped jobs was remembered: sent again, a source is checked again
+        again = checker.check('json_schema', _slow(40_032))
+        assert not again.done()
+        checker.abandon(again)
+
+
+def test_an_entry_check_ends_when_its_client_goes(monkeypatch):
+    """:func:`run_entry_check` of a request whose client disconnected (``disconnected`` says so) or whose task was
+    cancelled: it stops waiting at once, its thread too, and a check nobody else waits for is stopped."""
+    import asyncio
+
+    from lmdeploy_guided_spec import CheckAbandoned
+
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '60')
+    checker = grammar_checker()
+    gone = False
+
+    async def disconnected():
+        return gone
+
+    async def main():
+        nonlocal gone
+        asked = asyncio.ensure_future(run_entry_check(grammar_is_empty, 'json_schema', _slow(40_040),
+                                                      disconnected=disconnected))
+        cancelled = asyncio.ensure_future(run_entry_check(grammar_is_empty, 'json_schema', _slow(40_041)))
+        await asyncio.sleep(1)
+        assert not asked.done() and not cancelled.done() and checker._slow_waiters == 2
+        start = time.perf_counter()
+        gone = True
+        cancelled.cancel()
+        with pytest.raises(CheckAbandoned, match='client disconnected'):
+            await asked
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        left = time.perf_counter() - start
+        # the checks were dropped or stopped: their waiters no longer count, their threads are free
+        deadline = time.monotonic() + 10
+        while (checker._inflight or any(checker._busy)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not checker._inflight and checker._slow_waiters == 0 and not any(checker._busy)
+        # a client that stays is answered, and one that goes after its answer changes nothing
+        gone = False
+        assert await run_entry_check(grammar_is_empty, 'regex', 'stays[0-9]', disconnected=disconnected) is False
+        return left
+
+    assert asyncio.run(main()) < 2
+
+
 def _starting(service: GrammarCompileService, slot: int) -> bool:
     child = service._children[slot]
     return child is None or not child.ready
