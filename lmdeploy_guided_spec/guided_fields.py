@@ -26,6 +26,8 @@ field                                     response_format
 is xgrammar); ``structured_outputs.disable_any_whitespace: true`` asks for the ``single`` whitespace of JSON output.
 For an endpoint that takes SGLang's ``sampling_params`` object (``/generate``), its ``json_schema`` and ``regex`` are
 read as the top-level fields are (``sampling_params=True``); its ``ebnf`` and ``structural_tag`` are refused.
+Its other keys (``max_new_tokens``, ``temperature``, ...) set the fields of lmdeploy's ``/generate`` they name
+(:func:`generate_fields_from_sampling_params`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from collections.abc import Mapping
 
 from .errors import GuidedFieldError
 
-__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex']
+__all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex', 'SAMPLING_PARAMS_SERVED',
+           'generate_fields_from_sampling_params']
 
 # top-level request fields read here: vLLM's, then SGLang's
 GUIDED_FIELDS = ('guided_json', 'guided_regex', 'guided_choice', 'guided_grammar', 'guided_decoding_backend',
@@ -216,3 +219,73 @@ def response_format_from_fields(body: Mapping, *, sampling_params: bool = False)
                                    'only', param='structured_outputs')
         fmt['whitespace'] = 'single'
     return fmt, param
+
+
+#: SGLang ``sampling_params`` keys that lmdeploy's ``/generate`` serves, and the request field each sets
+SAMPLING_PARAMS_SERVED = {
+    'max_new_tokens': 'max_tokens',
+    'stop': 'stop',
+    'stop_token_ids': 'stop_token_ids',
+    'temperature': 'temperature',
+    'top_p': 'top_p',
+    'top_k': 'top_k',
+    'min_p': 'min_p',
+    'repetition_penalty': 'repetition_penalty',
+    'ignore_eos': 'ignore_eos',
+    'skip_special_tokens': 'skip_special_tokens',
+    'spaces_between_special_tokens': 'spaces_between_special_tokens',
+    'no_stop_trim': 'include_stop_str_in_output',
+}
+
+# keys /generate cannot serve, with the value that asks for nothing (null always does)
+_SAMPLING_PARAMS_DEFAULTS = {
+    'frequency_penalty': 0, 'presence_penalty': 0, 'min_new_tokens': 0, 'n': 1, 'custom_params': {},
+    'logit_bias': {}, 'return_hidden_states': False,
+}
+
+
+def generate_fields_from_sampling_params(body: Mapping | None) -> dict:
+    """The fields of lmdeploy's ``/generate`` request that the SGLang ``sampling_params`` object of ``body`` sets.
+
+    lmdeploy's ``/generate`` takes its sampling settings as top-level fields, and its request model dropped a
+    ``sampling_params`` object: a client written for SGLang got the defaults (128 tokens, temperature 1) without a
+    word, and its JSON was cut short. Each key of :data:`SAMPLING_PARAMS_SERVED` maps to its field
+    (``max_new_tokens`` to ``max_tokens``, ``no_stop_trim`` to ``include_stop_str_in_output``, SGLang's
+    ``top_k=-1``, no limit, to lmdeploy's 0); ``json_schema`` and ``regex`` are read by
+    :func:`response_format_from_fields`. A null value asks for nothing. The values' types are the request model's
+    to check.
+
+    Raises
+    ------
+    GuidedFieldError
+        ``param='sampling_params'``: it is not an object, a key this server cannot serve with a value that asks for
+        something (``frequency_penalty``, ``presence_penalty``, ``min_new_tokens``, ``n`` other than 1, ...), an
+        unknown key, or a key whose field the body also sets, to another value.
+    """
+    params = body.get('sampling_params') if isinstance(body, Mapping) else None
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise GuidedFieldError(f'sampling_params must be an object, got {type(params).__name__}',
+                               param='sampling_params')
+    fields = {}
+    for key, value in params.items():
+        if value is None or key in _SAMPLING_PARAMS_FIELDS:
+            continue
+        field = SAMPLING_PARAMS_SERVED.get(key)
+        if field is None:
+            if key in _SAMPLING_PARAMS_DEFAULTS:
+                if value == _SAMPLING_PARAMS_DEFAULTS[key]:
+                    continue
+                raise GuidedFieldError(f'sampling_params.{key} is not supported by this server\'s /generate (got '
+                                       f'{value!r}); leave it out', param='sampling_params')
+            served = ', '.join(sorted([*SAMPLING_PARAMS_SERVED, 'json_schema', 'regex']))
+            raise GuidedFieldError(f'sampling_params.{key} is not a sampling parameter this server knows; it serves '
+                                   f'{served}', param='sampling_params')
+        if key == 'top_k' and value == -1:  # SGLang's "no limit" is lmdeploy's 0
+            value = 0
+        if field in body and body[field] is not None and body[field] != value:
+            raise GuidedFieldError(f'sampling_params.{key} ({value!r}) and {field} ({body[field]!r}) disagree; send '
+                                   'one of them', param='sampling_params')
+        fields[field] = value
+    return fields

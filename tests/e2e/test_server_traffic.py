@@ -356,6 +356,26 @@ def test_generate_serves_a_constraint_of_its_output(server):
                                                'response_format': YEAR}, None)
     out = post({'prompt': 'A year:', 'max_tokens': 4})
     assert out['meta_info']['completion_tokens'] <= 4 and isinstance(out['text'], str), out
+    # an SGLang client's sampling settings: dropped, the request ran with 128 tokens at temperature 1
+    greedy = post({'prompt': 'A year:', 'max_tokens': 6, 'temperature': 0.0, 'ignore_eos': True})
+    assert len(greedy['output_ids']) == 6, greedy
+    for body in ({'prompt': 'A year:', 'ignore_eos': True, 'sampling_params': {'max_new_tokens': 6, 'temperature': 0}},
+                 {'prompt': 'A year:', 'stream': True, 'sampling_params': {'max_new_tokens': 6, 'temperature': 0,
+                                                                          'top_k': -1, 'n': 1, 'ignore_eos': True}}):
+        out = post(body)
+        assert out['output_ids'] == greedy['output_ids'] and out['text'] == greedy['text'], (body, out, greedy)
+    out = post({'prompt': 'Yes or no?', 'sampling_params': {'json_schema': json.dumps(answer), 'max_new_tokens': 16,
+                                                            'temperature': 0}})
+    assert re.fullmatch(r'"(yes|no)"', out['text']) and out['meta_info']['finish_reason'] == {'type': 'stop'}, out
+    out = post({'prompt': 'A year:', 'sampling_params': {'regex': '[0-9]{4}', 'max_new_tokens': 8, 'temperature': 0}})
+    assert re.fullmatch(r'[0-9]{4}', out['text']), out  # the request of docs/*/usage.md
+    for params, message in (({'n': 2}, 'sampling_params.n is not supported'),
+                            ({'max_new_tokens': 'many'}, 'sampling_params: max_tokens'),
+                            ({'temperature': 3.0}, 'temperature'),
+                            ({'max_new_token': 6}, 'max_new_token is not a sampling parameter')):
+        assert message in refused({'prompt': 'x', 'sampling_params': params}, None), params
+    assert 'disagree' in refused({'prompt': 'x', 'max_tokens': 4, 'sampling_params': {'max_new_tokens': 6}},
+                                 'sampling_params')
     assert proc.poll() is None, log.read_text()[-4000:]
 
 

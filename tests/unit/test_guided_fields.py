@@ -7,7 +7,11 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from lmdeploy_guided_spec.errors import GuidedFieldError
-from lmdeploy_guided_spec.guided_fields import choice_regex, response_format_from_fields
+from lmdeploy_guided_spec.guided_fields import (
+    choice_regex,
+    generate_fields_from_sampling_params,
+    response_format_from_fields,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -142,3 +146,37 @@ def test_sampling_params_constraints_that_cannot_be_served_are_refused_naming_it
         response_format_from_fields(body, sampling_params=True)
     assert err.value.param == 'sampling_params'
     assert message in str(err.value)
+
+
+def test_sampling_params_set_the_fields_of_generate():
+    """An SGLang client's sampling settings: lmdeploy's /generate dropped them, and the request ran with the defaults
+    (128 tokens, temperature 1). Each maps to its field; constraints are left to response_format_from_fields, and a
+    null asks for nothing."""
+    body = {'prompt': 'x', 'max_tokens': 32, 'sampling_params': {
+        'max_new_tokens': 32, 'temperature': 0, 'top_p': 0.9, 'top_k': -1, 'min_p': 0.05, 'stop': ['}'],
+        'stop_token_ids': [2], 'repetition_penalty': 1.1, 'ignore_eos': False, 'skip_special_tokens': True,
+        'spaces_between_special_tokens': False, 'no_stop_trim': True, 'json_schema': '{}', 'regex': None,
+        'frequency_penalty': 0.0, 'presence_penalty': 0, 'n': 1, 'min_new_tokens': None}}
+    assert generate_fields_from_sampling_params(body) == {
+        'max_tokens': 32, 'temperature': 0, 'top_p': 0.9, 'top_k': 0, 'min_p': 0.05, 'stop': ['}'],
+        'stop_token_ids': [2], 'repetition_penalty': 1.1, 'ignore_eos': False, 'skip_special_tokens': True,
+        'spaces_between_special_tokens': False, 'include_stop_str_in_output': True}
+    assert generate_fields_from_sampling_params({'prompt': 'x'}) == {}
+    assert generate_fields_from_sampling_params({'sampling_params': None}) == {}
+    assert generate_fields_from_sampling_params(None) == {}
+
+
+@pytest.mark.parametrize('params, message', [
+    ({'frequency_penalty': 0.5}, 'frequency_penalty is not supported'),
+    ({'n': 2}, 'n is not supported'),
+    ({'min_new_tokens': 4}, 'min_new_tokens is not supported'),
+    ({'custom_params': {'token_id': 5}}, 'custom_params is not supported'),
+    ({'max_new_token': 32}, 'max_new_token is not a sampling parameter this server knows; it serves '),
+    ({'max_new_tokens': 8}, r'sampling_params.max_new_tokens \(8\) and max_tokens \(16\) disagree'),
+])
+def test_sampling_params_that_cannot_be_served_are_refused_naming_them(params, message):
+    with pytest.raises(GuidedFieldError, match=message) as error:
+        generate_fields_from_sampling_params({'prompt': 'x', 'max_tokens': 16, 'sampling_params': params})
+    assert error.value.param == 'sampling_params'
+    with pytest.raises(GuidedFieldError, match='must be an object'):
+        generate_fields_from_sampling_params({'sampling_params': [params]})
