@@ -511,8 +511,10 @@ class _Job:
     slow: bool = field(init=False)
     #: when it was queued (``time.monotonic``): a slow job that waited longer than the limit goes first
     queued_at: float = field(default_factory=time.monotonic)
-    #: every caller left while it ran (:meth:`GrammarCompileService.abandon`): its process was killed
+    #: every caller left (:meth:`GrammarCompileService.abandon`): it is not sent to a process, or its process killed
     abandoned: bool = field(default=False, init=False)
+    #: sent to its slot's process: from then on, that process is this job's to kill (under ``_gate``)
+    sent: bool = field(default=False, init=False)
 
     def __post_init__(self):
         self.slow = conversion_cost(self.source) >= SLOW_CONVERSION_COST
@@ -830,16 +832,18 @@ class GrammarCompileService:
                 self._slow_waiters -= 1
             if self._callers[key] > 0:
                 return
+            self._release(key, future)  # a caller that comes now starts a fresh job
             job = next((job for job in self._jobs if job.future is future), None)
             if job is None:
                 job = next((job for job in self._running if job is not None and job.future is future), None)
                 if job is not None:
-                    slot = self._running.index(job)
+                    slot = next(i for i, running in enumerate(self._running) if running is job)
                     job.abandoned = True
                     child = self._children[slot]
-                    if child is not None and child.process.poll() is None:
+                    if job.sent and child is not None and child.process.poll() is None:
                         child.process.kill()  # its thread reads the death, finishes the job and drops the child
                 return
+            job.abandoned = True
             self._jobs.remove(job)
         self._finish(job, error=self._abandoned(job))
 
@@ -1007,8 +1011,8 @@ class GrammarCompileService:
             finally:
                 with self._gate:
                     self._running[slot] = None
-                    abandoned = job.abandoned
-                if abandoned:  # killed after its answer came: not a process that died while idle
+                    killed = job.abandoned and job.sent
+                if killed:  # (also where its answer came first: not a process that died while idle)
                     self._drop_child(slot)
                 with self._gate:
                     self._busy[slot] = False
@@ -1064,7 +1068,7 @@ class GrammarCompileService:
             return
         if not job.future.set_running_or_notify_cancel():
             with self._lock:
-                self._release(job.key)
+                self._release(job.key, job.future)
             return
         try:
             result = self._run(slot, job)
@@ -1112,7 +1116,14 @@ class GrammarCompileService:
 
     def _run(self, slot: int, job: _Job) -> xgr.CompiledGrammar | bool:
         waited = time.monotonic() - job.queued_at
+        with self._gate:
+            if job.abandoned:
+                raise self._abandoned(job)
         child = self._child(slot)
+        with self._gate:  # abandon() kills the process only once the job is sent to it
+            if job.abandoned:
+                raise self._abandoned(job)
+            job.sent = True
         checks = job.check_timeout_s is not None
         doing, limit = ('checking', job.check_timeout_s) if checks else ('compiling', self.timeout_s)
         try:
@@ -1177,8 +1188,10 @@ class GrammarCompileService:
     def _finish(self, job: _Job, *, result: xgr.CompiledGrammar | bool | None = None,
                 error: BaseException | None = None) -> None:
         with self._lock:
-            self._release(job.key)
-            if job.check_timeout_s is None:
+            self._release(job.key, job.future)
+            if job.abandoned:  # nothing is remembered of a job stopped for nobody
+                pass
+            elif job.check_timeout_s is None:
                 if error is None:
                     self._remember(job.key, result)
             elif error is None or isinstance(error, GrammarCompileError):
@@ -1195,8 +1208,10 @@ class GrammarCompileService:
         else:
             job.future.set_result(result)
 
-    def _release(self, key) -> None:
+    def _release(self, key, future=None) -> None:
         """Forget the job of ``key`` in flight and its callers (under ``_lock``)."""
+        if future is not None and self._inflight.get(key) is not future:
+            return  # left by its callers: a fresh job of the same key may be in flight
         self._inflight.pop(key, None)
         self._callers.pop(key, None)
         self._slow_waiters -= self._sharers.pop(key, 0)
@@ -1350,7 +1365,7 @@ async def run_entry_check(func: Callable[..., Any], *args: Any,
     finally:
         if not future.done():  # (a cancelled wait leaves the future to the thread, which ends at once now)
             entry.abandon()
-            future.add_done_callback(_retrieve)
+        future.add_done_callback(_retrieve)
     return future.result()
 
 

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -630,6 +631,55 @@ def test_callers_that_leave_free_the_queue_of_slow_sources(monkeypatch):
         again = checker.check('json_schema', _slow(40_032))
         assert not again.done()
         checker.abandon(again)
+
+
+def test_a_caller_after_all_others_left_gets_a_job_of_its_own():
+    """Every caller of a running check left, and a new caller of the same source came before the serving thread saw
+    the kill: it joined the stopped job and was told "every caller left" (a retrying client got HTTP 503). It
+    starts a fresh job."""
+    with GrammarCompileService(None, timeout_s=60, max_workers=2) as checker:
+        first = checker.check('json_schema', _slow(40_050))
+        deadline = time.monotonic() + 30
+        while not first.running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        checker.abandon(first)
+        again = checker.check('json_schema', _slow(40_050))
+        assert again is not first
+        with pytest.raises(GrammarCompilerUnavailable, match='every caller left'):
+            first.result(timeout=10)
+        time.sleep(0.5)  # the stopped job is finished: the fresh one is still in flight, and counted
+        assert not again.done() and checker._slow_waiters == 1
+        checker.abandon(again)
+        with pytest.raises(GrammarCompilerUnavailable, match='every caller left'):
+            again.result(timeout=10)
+        assert checker._slow_waiters == 0 and not checker._inflight and not checker._callers
+
+
+def test_a_job_left_before_it_reaches_its_process_never_runs(monkeypatch, caplog):
+    """A slot had taken the job but not yet sent it when its callers left: the kill hit the slot's idle process
+    (logged as a process that died while idle), and a fresh one ran the job for nobody until the limit. The job is
+    not sent, and the process is left alone."""
+    with GrammarCompileService(None, timeout_s=8, max_workers=1) as checker:
+        assert checker.check('regex', 'ready[0-9]').result(timeout=60) is False
+        pid = checker._children[0].process.pid
+        taken = threading.Event()
+
+        def run_later(slot, job):
+            taken.set()
+            time.sleep(0.5)  # between leaving the queue and the send: a thread descheduled on a busy machine
+            return GrammarCompileService._run(checker, slot, job)
+
+        monkeypatch.setattr(checker, '_run', run_later)
+        job = checker.check('json_schema', _slow(40_060))
+        assert taken.wait(10)
+        start = time.perf_counter()
+        checker.abandon(job)
+        with pytest.raises(GrammarCompilerUnavailable, match='every caller left'):
+            job.result(timeout=30)
+        assert time.perf_counter() - start < 3
+        assert checker.check('regex', 'after[0-9]').result(timeout=60) is False
+        assert checker._children[0].process.pid == pid
+    assert 'died while idle' not in caplog.text
 
 
 def test_an_entry_check_ends_when_its_client_goes(monkeypatch):
