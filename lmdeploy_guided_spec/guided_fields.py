@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from .depth import depth_error
 from .errors import GuidedFieldError
 
 __all__ = ['GUIDED_FIELDS', 'response_format_from_fields', 'choice_regex', 'SAMPLING_PARAMS_SERVED',
@@ -79,9 +80,14 @@ def choice_regex(choices) -> str:
 
 def _json_schema(value, name: str, param: str) -> dict:
     if isinstance(value, str):
+        # the nesting first, counted without recursion: json.loads of thousands of levels raised RecursionError
+        # (HTTP 500 with a traceback)
+        too_deep = depth_error({'type': 'json_schema', 'json_schema': {'schema': value}})
+        if too_deep is not None:
+            raise GuidedFieldError(f'{name}: {too_deep}', param=param)
         try:
             value = json.loads(value)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise GuidedFieldError(f'{name} is not valid JSON: {err}', param=param) from err
     if not isinstance(value, dict):
         raise GuidedFieldError(f'{name} must be a JSON schema object, got {type(value).__name__}', param=param)

@@ -368,26 +368,33 @@ def test_a_users_logits_processors_never_outweigh_the_grammar(engines, method):
 def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
     """One request stopped the engine for every request, present and later ("The inference engine is
     unavailable"): a ``top_k`` beyond the vocabulary (``torch.topk`` raised: "selected index k out of range") or a
-    temperature so small that the logits divided by it overflowed (1e-38: the sampler met inf). A ``top_k`` at or
-    beyond the vocabulary limits nothing, as 0 does; a tiny temperature is close to greedy. Beside them in the batch,
-    guided and unguided requests, greedy and sampled."""
+    temperature so small that the logits divided by it overflowed (1e-38: the sampler met inf), a ``top_k`` or a stop
+    token id past int64, a banned token id outside the vocabulary. A ``top_k`` at or beyond the vocabulary limits
+    nothing, as 0 does; a tiny temperature is close to greedy; stop and banned ids outside the vocabulary, which no
+    step samples, change nothing. Beside them in the batch, guided and unguided requests, greedy and sampled."""
     pipe = method_pipeline(engines, method)
     person = response_format('json_schema')
     hostile = [gen_config(YEAR, sampling=True, seed=1, top_k=10**9), gen_config(None, sampling=True, seed=2,
                                                                                  top_k=10**9, max_new_tokens=8),
                gen_config(YEAR, sampling=True, seed=3, temperature=1e-38),
-               gen_config(person, sampling=True, seed=4, temperature=1e-45, top_k=0)]
+               gen_config(person, sampling=True, seed=4, temperature=1e-45, top_k=0),
+               # past int64 (the batch's tensor overflowed); stop and banned token ids outside the vocabulary, which
+               # no step samples (banned, their gather failed the whole batch)
+               gen_config(YEAR, sampling=True, seed=6, top_k=2**63), gen_config(None, max_new_tokens=8,
+                                                                                 stop_token_ids=[2**64]),
+               gen_config(None, max_new_tokens=8, ignore_eos=True, stop_token_ids=[10**9, -1]),
+               gen_config(YEAR, bad_token_ids=[10**9])]
     beside = [gen_config(person), gen_config(YEAR, sampling=True, seed=5), gen_config(None, max_new_tokens=8)]
     configs = hostile + beside
-    outputs = generate(pipe, PROMPTS[:len(configs)], configs)
+    outputs = generate(pipe, (PROMPTS * 2)[:len(configs)], configs)
     for out, config in zip(outputs, configs):
         assert out.finish_reason in ('stop', 'length'), out
         if config.response_format is not None:
             assert out.finish_reason == 'stop', out
             check_valid(out.text, config.response_format)
-    # a temperature of 1e-38 samples what greedy decoding picks
-    greedy = generate(pipe, PROMPTS[2:4], [gen_config(YEAR), gen_config(person)])
-    assert [o.token_ids for o in outputs[2:4]] == [g.token_ids for g in greedy]
+    # a temperature of 1e-38 samples what greedy decoding picks, and ids outside the vocabulary change nothing
+    greedy = generate(pipe, [*PROMPTS[2:4], PROMPTS[7]], [gen_config(YEAR), gen_config(person), gen_config(YEAR)])
+    assert [o.token_ids for o in outputs[2:4] + outputs[7:8]] == [g.token_ids for g in greedy]
 
 
 # 'not' is dropped by xgrammar (tests/unit/test_unenforced.py)

@@ -376,6 +376,28 @@ def test_generate_serves_a_constraint_of_its_output(server):
         assert message in refused({'prompt': 'x', 'sampling_params': params}, None), params
     assert 'disagree' in refused({'prompt': 'x', 'max_tokens': 4, 'sampling_params': {'max_new_tokens': 6}},
                                  'sampling_params')
+    # a min_p outside [0, 1] was HTTP 500 (GenerationConfig's assertion), a stop string "Request preprocessing failed."
+    for body in ({'min_p': 5}, {'sampling_params': {'min_p': -1}}):
+        assert 'min_p' in refused({'prompt': 'x', **body}, None), body
+    for body in ({'stop': '"'}, {'sampling_params': {'stop': '"'}}):
+        out = post({'prompt': 'A year:', 'max_tokens': 4, **body})
+        assert out['meta_info']['finish_reason']['type'] in ('stop', 'length'), (body, out)
+    # token ids outside the vocabulary: the prompt's stopped the server, a top_k or stop id past int64 the engine
+    with open(os.path.join(models.resolve('tiny-llama'), 'config.json')) as config:
+        vocab = json.load(config)['vocab_size']
+    for body, outside in (({'input_ids': [10**9]}, 10**9), ({'input_ids': [1, -5]}, -5)):
+        try:  # HTTP 400 on 0.18; on 0.14 finish_reason "error", with the reason as the text
+            out = post({**body, 'max_tokens': 4})
+            assert out['meta_info']['finish_reason'] == {'type': 'error'}, out
+            message = out['text']
+        except urllib.error.HTTPError as error:
+            assert error.code == 400, error
+            message = json.loads(error.read())['message']
+        assert f'outside the vocabulary of {vocab} tokens: {outside}' in message, message
+    out = post({'prompt': 'A year:', 'max_tokens': 6, 'temperature': 0.0, 'ignore_eos': True, 'top_k': 2**63,
+                'stop_token_ids': [2**63]})
+    assert out['output_ids'] == greedy['output_ids'], out
+    assert proc.poll() is None and traffic.health(base) == 200
     assert proc.poll() is None, log.read_text()[-4000:]
 
 

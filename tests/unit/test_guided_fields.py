@@ -180,3 +180,17 @@ def test_sampling_params_that_cannot_be_served_are_refused_naming_them(params, m
     assert error.value.param == 'sampling_params'
     with pytest.raises(GuidedFieldError, match='must be an object'):
         generate_fields_from_sampling_params({'sampling_params': [params]})
+
+
+@pytest.mark.parametrize('body, param', [
+    ({'guided_json': '{"a":' * 5000 + '1' + '}' * 5000}, 'guided_json'),
+    ({'json_schema': '[' * 100_000 + ']' * 100_000}, 'json_schema'),
+    ({'structured_outputs': {'json': '{"a":' * 5000 + '1' + '}' * 5000}}, 'structured_outputs'),
+    ({'sampling_params': {'json_schema': '{"a":' * 5000 + '1' + '}' * 5000}}, 'sampling_params'),
+])
+def test_a_schema_string_nested_too_deeply_is_refused_naming_the_limit(body, param):
+    """A schema given as a JSON string thousands of levels deep: json.loads raised RecursionError, which no one
+    caught (HTTP 500 with a traceback). The nesting is counted first, without recursion."""
+    with pytest.raises(GuidedFieldError, match='levels deep') as error:
+        response_format_from_fields(body, sampling_params=True)
+    assert error.value.param == param
