@@ -369,9 +369,11 @@ def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
     """One request stopped the engine for every request, present and later ("The inference engine is
     unavailable"): a ``top_k`` beyond the vocabulary (``torch.topk`` raised: "selected index k out of range") or a
     temperature so small that the logits divided by it overflowed (1e-38: the sampler met inf), a ``top_k`` or a stop
-    token id past int64, a banned token id outside the vocabulary. A ``top_k`` at or beyond the vocabulary limits
-    nothing, as 0 does; a tiny temperature is close to greedy; stop and banned ids outside the vocabulary, which no
-    step samples, change nothing. Beside them in the batch, guided and unguided requests, greedy and sampled."""
+    token id past int64, a banned token id outside the vocabulary, a ``repetition_penalty`` of NaN or 1e-38 (the
+    logits it divided overflowed). A ``top_k`` at or beyond the vocabulary limits nothing, as 0 does; a tiny
+    temperature is close to greedy; stop and banned ids outside the vocabulary, which no step samples, change
+    nothing; a penalty is bounded to [0.01, 100]. Beside them in the batch, guided and unguided requests, greedy
+    and sampled."""
     pipe = method_pipeline(engines, method)
     person = response_format('json_schema')
     hostile = [gen_config(YEAR, sampling=True, seed=1, top_k=10**9), gen_config(None, sampling=True, seed=2,
@@ -383,7 +385,11 @@ def test_sampling_values_that_stopped_the_engine_are_served(engines, method):
                gen_config(YEAR, sampling=True, seed=6, top_k=2**63), gen_config(None, max_new_tokens=8,
                                                                                  stop_token_ids=[2**64]),
                gen_config(None, max_new_tokens=8, ignore_eos=True, stop_token_ids=[10**9, -1]),
-               gen_config(YEAR, bad_token_ids=[10**9])]
+               gen_config(YEAR, bad_token_ids=[10**9]),
+               gen_config(YEAR, sampling=True, seed=7, repetition_penalty=1e-38),
+               gen_config(None, sampling=True, seed=8, repetition_penalty=float('nan'), max_new_tokens=8),
+               gen_config(YEAR, sampling=True, seed=9, repetition_penalty=float('inf')),
+               gen_config(YEAR, sampling=True, seed=10, repetition_penalty=1e38)]
     beside = [gen_config(person), gen_config(YEAR, sampling=True, seed=5), gen_config(None, max_new_tokens=8)]
     configs = hostile + beside
     outputs = generate(pipe, (PROMPTS * 2)[:len(configs)], configs)
