@@ -835,9 +835,10 @@ class GrammarCompileService:
             self._release(key, future)  # a caller that comes now starts a fresh job
             job = next((job for job in self._jobs if job.future is future), None)
             if job is None:
-                job = next((job for job in self._running if job is not None and job.future is future), None)
-                if job is not None:
-                    slot = next(i for i, running in enumerate(self._running) if running is job)
+                slot = next((slot for slot, running in enumerate(self._running)
+                             if running is not None and running.future is future), None)
+                if slot is not None:
+                    job = self._running[slot]
                     job.abandoned = True
                     child = self._children[slot]
                     if job.sent and child is not None and child.process.poll() is None:
@@ -1208,9 +1209,9 @@ class GrammarCompileService:
         else:
             job.future.set_result(result)
 
-    def _release(self, key, future=None) -> None:
-        """Forget the job of ``key`` in flight and its callers (under ``_lock``)."""
-        if future is not None and self._inflight.get(key) is not future:
+    def _release(self, key, future: concurrent.futures.Future) -> None:
+        """Forget the job of ``key`` in flight, whose future is ``future``, and its callers (under ``_lock``)."""
+        if self._inflight.get(key) is not future:
             return  # left by its callers: a fresh job of the same key may be in flight
         self._inflight.pop(key, None)
         self._callers.pop(key, None)
