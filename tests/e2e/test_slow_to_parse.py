@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 
 def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
     """Ten requests whose schemas take minutes to parse, each its own, at once: each holds a check of the server for up
-    to the compile limit (20 s here). A request whose schema was checked before waited 55 s behind them (the
+    to the compile limit (14 s here). A request whose schema was checked before waited 55 s behind them (the
     checks waited on the event loop's default executor: 6 threads on two cores), one with a new small schema 28 s
     (every checker process held a slow one). Now both are answered within seconds; the slow ones past the queue's
     bound (4 here) are refused at once with HTTP 429 (sent again later, they are checked), the others with HTTP
@@ -27,7 +27,7 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
     plain-text 500), and the server checks the next request."""
     from lmdeploy_guided_spec.testing import environ
     log = tmp_path / 'server.log'
-    with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '20', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '4'}):
+    with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '14', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '4'}):
         proc, base = start_server([], log, max_batch_size=16)
     try:
         client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
@@ -65,7 +65,7 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
             check_valid(choice.message.content, small)
             print(f'\n[slow to parse] beside 10: a schema checked before {checked_before:.1f} s, a new small one '
                   f'{new_small:.1f} s')
-            # (without the fix: the first waits for a thread, at least 19 s; the second for the checks of the slow
+            # (without the fix: the first waits for a thread, at least 13 s; the second for the checks of the slow
             # ones queued before it, about 40 s)
             assert checked_before < 10 and new_small < 16, (checked_before, new_small)
             answers = [future.result() for future in slow_ones]
@@ -75,7 +75,7 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
             if err.status_code == 429:
                 assert 'wait already' in err.message and err.body['type'], err.body
             else:
-                assert err.status_code == 400 and 'longer than 20 s' in err.message, err
+                assert err.status_code == 400 and 'longer than 14 s' in err.message, err
         # clients that go away while their schemas slow to parse are checked: their checks stop with them. They
         # held the checker's queue for the whole limit, and a live client's slow schema got HTTP 429 meanwhile
         left = [traffic.posted(base, '/v1/chat/completions', {
