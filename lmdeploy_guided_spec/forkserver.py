@@ -316,9 +316,11 @@ def fork_server(preload: str) -> ForkServer | None:
 def _serve(fd: int, parent_pid: int, preload: str) -> None:
     """Body of the fork server: import ``preload``, then fork on request until the serving process goes away."""
     end_with_parent(parent_pid)
-    # Ctrl-C in a terminal reaches the whole process group: the fork server and its children end with the serving
-    # process (above), not before it
+    # Ctrl-C in a terminal (SIGINT) and a service stop (systemd, docker: SIGTERM) reach the whole process group: the
+    # fork server and its children end with the serving process (above), not before it (a server shutting down
+    # gracefully started fresh interpreters to check the grammars of requests still in flight)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # the mask of the thread that started it is inherited: SIGCHLD must arrive to wake the loop below
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     sock = socket.socket(fileno=fd)

@@ -99,6 +99,22 @@ def test_a_fork_server_that_dies_takes_its_children_and_the_next_compile_starts_
         assert fork_server(PRELOAD) is not server and not fork_server(PRELOAD).dead
 
 
+def test_a_stop_signal_to_the_process_group_leaves_the_fork_server_to_its_serving_process():
+    """Ctrl-C (SIGINT) and a service stop (systemd, docker: SIGTERM) reach the whole process group of an api_server.
+    The fork server died of SIGTERM while the server shut down gracefully, and the server started fresh
+    interpreters to check the grammars of requests still in flight (seconds each, for an engine already gone). The
+    fork server ends with the process it serves, not before it."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=120, max_workers=1) as service:
+        service.compile('regex', 'warm-up[0-9]')
+        server = fork_server(PRELOAD)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            server.process.send_signal(sig)
+            time.sleep(0.5)
+            assert server.process.poll() is None, f'the fork server died of {sig.name}'
+        assert service.compile('regex', 'after-the-signals[0-9]') is not None
+        assert fork_server(PRELOAD) is server and not server.dead
+
+
 _SCRIPT = """
 import sys
 print('the script ran', flush=True)
