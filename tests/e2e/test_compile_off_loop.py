@@ -62,8 +62,8 @@ def _while_streaming(pipe, prompts, configs):
     pause of the stream meanwhile and how long the requests took."""
     times: list[float] = []
     finished = []
-    # lmdeploy 0.18's sessions can be aborted: the stream stops once the requests are answered (it ran its 1000
-    # tokens, most of the test's time); 0.14's pipeline has none, and the stream runs to its end
+    # the stream's session is aborted once the requests are answered (it ran its 1000 tokens, most of the test's
+    # time); a pipeline without sessions lets it run to its end
     session = pipe.session() if hasattr(pipe, 'session') else None
 
     def long_stream():
