@@ -63,13 +63,12 @@ def _while_streaming(pipe, prompts, configs):
     times: list[float] = []
     finished = []
     # the stream's session is aborted once the requests are answered (it ran its 1000 tokens, most of the test's
-    # time); a pipeline without sessions lets it run to its end
-    session = pipe.session() if hasattr(pipe, 'session') else None
+    # time)
+    session = pipe.session()
 
     def long_stream():
         config = gen_config(None, max_new_tokens=1000, ignore_eos=True)
-        sessions = {} if session is None else {'sessions': [session]}
-        for chunk in pipe.stream_infer([PROMPTS[1]], gen_config=[config], **sessions):
+        for chunk in pipe.stream_infer([PROMPTS[1]], sessions=[session], gen_config=[config]):
             times.append(time.perf_counter())
             if chunk.finish_reason is not None:
                 finished.append(chunk.finish_reason)
@@ -84,10 +83,9 @@ def _while_streaming(pipe, prompts, configs):
     outputs = generate(pipe, prompts, configs)
     end = time.perf_counter()
     stream_was_running = streamer.is_alive()
-    if session is not None:
-        session.abort()
+    session.abort()
     streamer.join(timeout=300)
-    assert finished == ['length'] or (session is not None and finished == ['abort']), finished
+    assert finished in (['length'], ['abort']), finished
     assert stream_was_running, 'the stream ended before the compiles did; make it longer'
     window = [t for t in times if start <= t <= end]
     assert window, 'the stream sent nothing while the grammars compiled'
