@@ -3,7 +3,7 @@ and the engine go on, and finished sessions leave no grammar state behind."""
 import re
 
 import pytest
-from e2e_helpers import METHODS, PROMPTS, check_valid, gen_config, generate, manager, model_agent, response_format
+from e2e_helpers import METHODS, PROMPTS, YEAR, check_valid, gen_config, generate, manager, model_agent, response_format
 
 # (format, what the reason says): the series' wording on lmdeploy 0.14.0, lmdeploy's own entry check's on 0.18.0
 INVALID = [
@@ -48,3 +48,54 @@ def test_finished_sessions_leave_no_grammar_state(engines, method):
     generate(pipe, PROMPTS[:1], [gen_config(None, max_new_tokens=4, ignore_eos=True)])
     assert manager(pipe).processors == {}
     assert model_agent(pipe).spec_agent.guided_spec.num_kept_windows == 0
+
+
+def _slow_to_check(n: int) -> dict:
+    """A response format whose entry check parses for seconds: a pattern xgrammar converts slowly (9,000 repetitions
+    take about 8 s on a 2-core machine; each ``n`` is a grammar of its own, never answered from a cache)."""
+    return {'type': 'json_schema', 'json_schema': {'name': f'slow{n}', 'schema': {
+        'type': 'string', 'pattern': f'^[a-z]{{1,{n}}}$'}}}
+
+
+def test_an_abort_reaches_a_request_in_its_entry_check(engines):
+    """``Session.abort`` (and ``stop_all_session``) while the request's grammar is still checked, before it holds
+    an engine handle: the request ends at once with finish_reason 'abort'. The abort was dropped (a session
+    without a handle had nothing to cancel), and the request ran once its check ended, seconds later. An abort of
+    a session with no request in flight does not reach the session's next request."""
+    import concurrent.futures
+    import time
+    pipe = engines('tiny-llama')
+
+    def last(session, fmt, max_new_tokens=8):
+        """The last response of a streamed request, and its whole text."""
+        outputs = list(pipe.stream_infer(PROMPTS[0], sessions=session, gen_config=gen_config(
+            fmt, max_new_tokens=max_new_tokens)))
+        outputs[-1].text = ''.join(out.text for out in outputs)
+        return outputs[-1]
+
+    def aborted_in_check(n: int, abort) -> tuple[float, object]:
+        session = pipe.session()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(last, session, _slow_to_check(n), 64)
+            time.sleep(1)
+            assert not future.done(), 'the entry check ended within a second: make the pattern longer'
+            abort(session)
+            start = time.monotonic()
+            out = future.result(timeout=120)
+        return time.monotonic() - start, out, session
+
+    took, out, session = aborted_in_check(9_000, lambda session: session.abort())
+    assert out.finish_reason == 'abort' and took < 4, (out, took)
+    # the session serves its next request in full
+    again = last(session, YEAR)
+    assert again.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', again.text), again
+
+    took, out, _ = aborted_in_check(
+        9_001, lambda session: pipe._run(coro=pipe.async_engine.stop_all_session()).result())
+    assert out.finish_reason == 'abort' and took < 4, (out, took)
+
+    # an abort of an idle session is not kept for its next request
+    idle = pipe.session()
+    idle.abort()
+    again = last(idle, YEAR)
+    assert again.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', again.text), again

@@ -40,7 +40,7 @@ def server(cpu_path, tmp_path_factory):
     method, draft = models.SPECULATIVE['tiny-llama']
     log = tmp_path_factory.mktemp('traffic') / 'server.log'
     args = ['--speculative-algorithm', method, '--speculative-draft-model', models.resolve(draft),
-            '--speculative-num-draft-tokens', '3', '--logprobs-mode', 'raw_logprobs']
+            '--speculative-num-draft-tokens', '3', '--logprobs-mode', 'raw_logprobs', '--enable-abort-handling']
     proc, base = start_server(args, log, max_batch_size=16)
     yield proc, base, log
     stop_server(proc)
@@ -158,6 +158,59 @@ def test_hostile_requests(server):
     checks.shutdown()
     assert proc.poll() is None, log.read_text()[-4000:]
     assert traffic.health(base) == 200
+
+
+def test_an_abort_reaches_a_request_in_its_entry_check(server):
+    """``/abort_request`` (``--enable-abort-handling``) while the request's grammar is still checked, before the
+    request has a session: with its ``session_id`` and with ``abort_all``, the request ends at once with
+    finish_reason 'abort' (streamed or not). Before, the first answered HTTP 400 "Session N not found" and the
+    second missed the request (its epoch was stamped after the check): both ran once their checks ended, seconds
+    later. An abort of a session nobody uses is still HTTP 400, and a session id aborted before serves its next
+    request in full."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{'role': 'user', 'content': 'A code, please.'}]
+
+    def slow_to_check(n: int) -> dict:
+        # xgrammar converts this pattern for seconds (9,000 repetitions: about 8 s on a 2-core machine)
+        return {'type': 'json_schema', 'json_schema': {'name': f'slow{n}', 'schema': {
+            'type': 'string', 'pattern': f'^[a-z]{{1,{n}}}$'}}}
+
+    def abort(**body) -> int:
+        request = urllib.request.Request(f'{base}/abort_request', json.dumps(body).encode(),
+                                         {'Content-Type': 'application/json'})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    def chat(fmt, **kwargs):
+        return client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=64,
+                                              temperature=0, **kwargs).choices[0]
+
+    def streamed(fmt):
+        chunks = client.completions.create(model=model, prompt='A code:', max_tokens=64, temperature=0, stream=True,
+                                           extra_body={'response_format': fmt})
+        return [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for n, send, body in ((9_002, lambda fmt: chat(fmt, extra_body={'session_id': 4_001}).finish_reason,
+                               {'session_id': 4_001}),
+                              (9_003, streamed, {'abort_all': True})):
+            sent = pool.submit(send, slow_to_check(n))
+            time.sleep(1)
+            assert not sent.done(), 'the entry check ended within a second: make the pattern longer'
+            assert abort(**body) == 200, body
+            start = time.perf_counter()
+            finished = sent.result()
+            took = time.perf_counter() - start
+            assert finished in ('abort', ['abort']) and took < 4, (body, finished, took)
+    assert abort(session_id=4_002) == 400
+    choice = chat(YEAR, extra_body={'session_id': 4_001})
+    assert choice.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', choice.message.content), choice
+    assert proc.poll() is None, log.read_text()[-4000:]
 
 
 def _refused(client, model, messages, fmt, reason):
