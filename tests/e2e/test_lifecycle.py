@@ -61,7 +61,9 @@ def test_an_abort_reaches_a_request_in_its_entry_check(engines):
     """``Session.abort`` (and ``stop_all_session``) while the request's grammar is still checked, before it holds
     an engine handle: the request ends at once with finish_reason 'abort'. The abort was dropped (a session
     without a handle had nothing to cancel), and the request ran once its check ended, seconds later. An abort of
-    a session with no request in flight does not reach the session's next request."""
+    a session with no request in flight does not reach the session's next request. ``Session.close`` in the check
+    ends the request the same way (it failed with an internal error on 0.18.0, and ran on 0.14.0), and the
+    pipeline serves on."""
     import concurrent.futures
     import time
     pipe = engines('tiny-llama')
@@ -92,6 +94,9 @@ def test_an_abort_reaches_a_request_in_its_entry_check(engines):
 
     took, out, _ = aborted_in_check(
         9_001, lambda session: pipe._run(coro=pipe.async_engine.stop_all_session()).result())
+    assert out.finish_reason == 'abort' and took < 4, (out, took)
+
+    took, out, _ = aborted_in_check(9_002, lambda session: session.close())
     assert out.finish_reason == 'abort' and took < 4, (out, took)
 
     # an abort of an idle session is not kept for its next request
