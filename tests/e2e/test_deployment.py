@@ -44,7 +44,7 @@ def _target(method: str) -> str:
     return 'tiny-llama' if method == 'grammar' else METHODS[method]
 
 
-@pytest.mark.one_method({'0.14': ['deepseek_mtp']})
+@pytest.mark.one_method({'0.18': ['eagle3', 'grammar'], '0.14': ['deepseek_mtp']})
 @pytest.mark.parametrize('method', [*METHODS, 'grammar'])
 def test_mixed_greedy_and_sampling_batch(engines, method):
     """Defect 1: greedy and sampling requests in one batch (lmdeploy handed the rejection sampler batch x k rows of

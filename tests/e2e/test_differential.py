@@ -61,7 +61,7 @@ BATCH = 16
 
 # on 0.14 with deepseek_mtp alone: its eagle3 runs the greedy rows of test_pipeline_matrix and, with free drafts,
 # the test below
-@pytest.mark.one_method({'0.14': ['deepseek_mtp']})
+@pytest.mark.one_method({'0.18': ['eagle3'], '0.14': ['deepseek_mtp']})
 @pytest.mark.parametrize('method', list(METHODS))
 def test_greedy_speculative_equals_non_speculative(engines, method):
     assert len(PAIRS) >= 30

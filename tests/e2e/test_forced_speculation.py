@@ -177,7 +177,7 @@ def _chat(base: str, fmt, prompt='Describe a person as JSON.', max_tokens=64):
     return choice.message.content, choice.finish_reason
 
 
-@pytest.mark.one_method({'0.14': ['grammar']})
+@pytest.mark.one_method({'0.18': ['fsm'], '0.14': ['grammar']})
 @pytest.mark.parametrize('method', ['grammar', 'fsm'])
 def test_api_server(cpu_path, vllm_example, tmp_path, method):
     """Requests with a response_format follow it; with method fsm (vLLM's example as --speculative-fsm-path) the

@@ -102,7 +102,7 @@ def _check_drafts_agree(directory, failing: str | None = None) -> int:
     return len(verified[0])
 
 
-@pytest.mark.one_method({'0.18': ['eagle3', 'deepseek_mtp'], '0.14': ['grammar']})
+@pytest.mark.one_method({'0.18': ['deepseek_mtp'], '0.14': ['grammar']})
 @pytest.mark.parametrize('method', list(METHODS))
 def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     target, draft = METHODS[method]

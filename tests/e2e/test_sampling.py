@@ -112,7 +112,7 @@ def _three_letters(letters: dict, all_ids, logits):
     return logits.copy_(kept)
 
 
-@pytest.mark.one_method({'0.14': ['eagle3']})
+@pytest.mark.one_method({'0.18': ['grammar'], '0.14': ['eagle3']})
 @pytest.mark.parametrize('method', ['eagle3', 'grammar'])
 def test_top_k_top_p_and_min_p_hold_at_every_verified_position(engines, method):
     """The rejection sampler applied ``top_k``, ``top_p`` and ``min_p`` to the bonus token alone: a draft token was
