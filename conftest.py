@@ -19,12 +19,12 @@ is not run again.
 """
 from __future__ import annotations
 
+import http.client
 import io
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +37,8 @@ import pytest
 from sybil import Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
+
+from lmdeploy_guided_spec.testing import free_port
 
 ROOT = Path(__file__).parent
 #: The most one example may take (the demo builds SmolLM2 on a fresh machine).
@@ -54,12 +56,6 @@ def _without_comments(kind: str, source: str) -> str:
         tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type != tokenize.COMMENT]
         return tokenize.untokenize((t.type, t.string) for t in tokens)
     return '\n'.join(line for line in source.splitlines() if not line.lstrip().startswith('#'))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 class DocsRunner:
@@ -112,7 +108,7 @@ class DocsRunner:
     def _start_server(self, source: str) -> str | None:
         found = re.search(r'--server-port (\d+)', source)
         documented = int(found.group(1)) if found else 23333
-        port = _free_port()
+        port = free_port()
         self.ports[documented] = port
         source = (source.replace(found.group(0), f'--server-port {port}') if found
                   else f'{source.rstrip()} --server-port {port}')
@@ -131,7 +127,7 @@ class DocsRunner:
             try:
                 urllib.request.urlopen(f'http://127.0.0.1:{port}/v1/models', timeout=2)
                 return None
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 if time.monotonic() > deadline:
                     return f'the server did not answer in {SERVER_STARTUP_S} s:\n{log.read_text()[-4000:]}'
                 time.sleep(1)

@@ -9,6 +9,8 @@ import contextlib
 import functools
 import importlib.util
 import os
+import random
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import xgrammar as xgr
 from .bitmask import unpack_bitmask
 
 __all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens',
-           'environ']
+           'environ', 'free_port']
 
 
 @contextlib.contextmanager
@@ -35,6 +37,32 @@ def environ(env: dict | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_handed_out_ports: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nobody listens on, for a server that binds it later, below the kernel's range of
+    ephemeral ports: a port the kernel hands out for port 0 may go to another socket before a slow server binds it
+    (a client's end of a connection, the server's own engine process), and the server's address then answers
+    something else or nothing."""
+    try:
+        low = int(Path('/proc/sys/net/ipv4/ip_local_port_range').read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = max(low, 12000)
+    while True:
+        port = random.randrange(10000, low)
+        if port in _handed_out_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
 
 
 @dataclass(frozen=True)

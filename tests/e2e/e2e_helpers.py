@@ -1,11 +1,11 @@
 """Pipelines, requests, grammars and checks shared by the end-to-end tests."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 
-from lmdeploy_guided_spec.testing import environ
+from lmdeploy_guided_spec.testing import environ, free_port
 
 NUM_SPEC_TOKENS = 3
 STARTUP_S = 300
@@ -231,12 +231,6 @@ PROMPTS = [
 
 
 # -- api_server ----------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def spawn_server(args: list[str], log, max_batch_size: int = 4,
                  model: str = 'tiny-llama') -> tuple[subprocess.Popen, int]:
     """``lmdeploy serve api_server`` for ``model`` (a name of the CPU path's models) on the CPU path, in a new
@@ -262,7 +256,7 @@ def start_server(args: list[str], log, max_batch_size: int = 4,
         try:
             urllib.request.urlopen(f'{base}/v1/models', timeout=2)
             return proc, base
-        except OSError:
+        except (OSError, http.client.HTTPException):
             if time.monotonic() > deadline:
                 stop_server(proc)
                 pytest.fail(f'api_server not up after {STARTUP_S} s:\n{log.read_text()[-4000:]}')
