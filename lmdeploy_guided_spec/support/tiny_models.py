@@ -76,8 +76,12 @@ def _cached(root: Path | None, name: str, spec: dict, build: Callable[[Path], No
         (tmp / 'tiny_model.json').write_text(json.dumps({'builder': BUILDER_VERSION, 'name': name, **spec},
                                                         indent=1, sort_keys=True, default=str) + '\n')
         (tmp / _COMPLETE).write_text('')
+        if (out / _COMPLETE).is_file():
+            # another process (a test run beside this one) finished the same build meanwhile, and may be using it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
         if out.exists():
-            # a concurrent or interrupted build left it behind; a complete one would have been returned above
+            # an interrupted build left it behind
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:

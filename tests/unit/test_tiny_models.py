@@ -164,3 +164,19 @@ def test_a_cached_build_that_fails_its_check_is_built_again(tmp_path):
     with pytest.raises(RuntimeError, match='stale eos'):
         tiny_models._cached(tmp_path, 'broken', {}, lambda out: (out / 'eos').write_text('stale'), check=check)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith('.')]
+
+
+def test_a_build_finished_meanwhile_by_another_process_is_kept(tmp_path):
+    """Two test runs side by side (CI runs both releases' tests at once) may build the same model: the one that
+    finishes second keeps the first one's build, which the first run may already be loading."""
+    def build_of_the_other_process(out):
+        (out / 'weights').write_text('first')
+
+    def build(out):
+        # the other process finishes the same build while this one builds
+        tiny_models._cached(tmp_path, 'fake', {}, build_of_the_other_process)
+        (out / 'weights').write_text('second')
+
+    out = tiny_models._cached(tmp_path, 'fake', {}, build)
+    assert (out / 'weights').read_text() == 'first'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith('.')]
