@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -160,6 +161,17 @@ def test_hostile_requests(server):
     assert traffic.health(base) == 200
 
 
+def _abort(base: str, **body) -> int:
+    """``/abort_request`` with ``body``: its HTTP status."""
+    request = urllib.request.Request(f'{base}/abort_request', json.dumps(body).encode(),
+                                     {'Content-Type': 'application/json'})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
 def test_an_abort_reaches_a_request_in_its_entry_check(server):
     """``/abort_request`` (``--enable-abort-handling``) while the request's grammar is still checked, before the
     request has a session: with its ``session_id`` and with ``abort_all``, the request ends at once with
@@ -178,13 +190,7 @@ def test_an_abort_reaches_a_request_in_its_entry_check(server):
             'type': 'string', 'pattern': f'^[a-z]{{1,{n}}}$'}}}
 
     def abort(**body) -> int:
-        request = urllib.request.Request(f'{base}/abort_request', json.dumps(body).encode(),
-                                         {'Content-Type': 'application/json'})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                return answer.status
-        except urllib.error.HTTPError as err:
-            return err.code
+        return _abort(base, **body)
 
     def chat(fmt, **kwargs):
         return client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=64,
@@ -211,6 +217,60 @@ def test_an_abort_reaches_a_request_in_its_entry_check(server):
     choice = chat(YEAR, extra_body={'session_id': 4_001})
     assert choice.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', choice.message.content), choice
     assert proc.poll() is None, log.read_text()[-4000:]
+
+
+def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp_path):
+    """With every inference instance busy (as many long requests as ``--max-batch-size``), a request waits for one
+    to free: ``/abort_request`` with its ``session_id`` ends it at once with finish_reason 'abort'. Before, the abort
+    was kept and the request ended only once an instance freed (40 s and more behind long requests). The long
+    requests run on meanwhile, and the server serves the next request. (The waiting request is unguided: a guided
+    one's entry check could still run when the abort comes, which another test covers.)"""
+    log = tmp_path / 'server.log'
+    proc, base = start_server(['--enable-abort-handling'], log, max_batch_size=2)
+    try:
+        client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+        model = client.models.list().data[0].id
+        started = [threading.Event() for _ in range(2)]
+
+        def long_request(i: int):
+            reason = None
+            for chunk in client.completions.create(model=model, prompt='Once upon a time', max_tokens=1000,
+                                                   temperature=0, stream=True,
+                                                   extra_body={'ignore_eos': True, 'session_id': 5_001 + i}):
+                started[i].set()
+                for choice in chunk.choices:
+                    reason = choice.finish_reason or reason
+            return reason
+
+        def ask(session_id: int, **fmt):
+            return client.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Which year?'}],
+                                                  max_tokens=16, temperature=0, extra_body={'session_id': session_id},
+                                                  **fmt).choices[0]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(long_request, i) for i in range(2)]
+            for i, event in enumerate(started):
+                assert event.wait(120), f'long request {i} did not start: {running[i]}'
+            waiting = pool.submit(ask, 5_100)
+            time.sleep(1)
+            assert not waiting.done(), 'the request did not wait for an instance: the long requests ended too soon'
+            assert _abort(base, session_id=5_100) == 200
+            start = time.perf_counter()
+            try:
+                finished = waiting.result(timeout=20).finish_reason
+            except concurrent.futures.TimeoutError:
+                finished = 'still waiting after 20 s'
+            took = time.perf_counter() - start
+            long_ones_ran_on = not any(r.done() for r in running)
+            assert _abort(base, abort_all=True) == 200
+            assert long_ones_ran_on, 'the long requests ended too soon: make them longer'
+            assert finished == 'abort' and took < 4, (finished, took)
+            assert [r.result() for r in running] == ['abort'] * 2
+        choice = ask(5_100, response_format=YEAR)
+        assert choice.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', choice.message.content), choice
+        assert proc.poll() is None, log.read_text()[-4000:]
+    finally:
+        stop_server(proc)
 
 
 def _refused(client, model, messages, fmt, reason):

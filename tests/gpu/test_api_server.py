@@ -4,10 +4,10 @@ The server runs as a subprocess on 127.0.0.1 with a free port, with the tiny tar
 ``response_format`` (``json_schema``, ``regex_schema``, ``json_object``), plain and streamed, one at a time and
 concurrently next to unguided ones.
 """
+import http.client
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +19,11 @@ import gpu_cases
 import pytest
 import torch
 
+from lmdeploy_guided_spec.testing import free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason='CUDA is not available')]
 
 STARTUP_TIMEOUT = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def _lmdeploy_command() -> list[str]:
@@ -42,7 +38,7 @@ def _lmdeploy_command() -> list[str]:
 def server(request, tiny_models, tmp_path_factory):
     method = request.param
     target, draft = gpu_cases.targets(tiny_models, method)
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp('api-server') / f'{method}.log'
     cmd = _lmdeploy_command() + [
         'serve', 'api_server', str(target), '--backend', 'pytorch', '--server-name', '127.0.0.1', '--server-port',
@@ -63,7 +59,7 @@ def server(request, tiny_models, tmp_path_factory):
                 with urllib.request.urlopen(f'{base}/v1/models', timeout=5) as resp:
                     model_name = json.load(resp)['data'][0]['id']
                 break
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 time.sleep(2)
         if model_name is None:
             pytest.fail(f'api_server did not answer within {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-6000:]}')
