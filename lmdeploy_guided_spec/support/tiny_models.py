@@ -77,7 +77,7 @@ def _cached(root: Path | None, name: str, spec: dict, build: Callable[[Path], No
                                                         indent=1, sort_keys=True, default=str) + '\n')
         (tmp / _COMPLETE).write_text('')
         if (out / _COMPLETE).is_file():
-            # another process (a test run beside this one) finished the same build meanwhile, and may be using it
+            # another process (a test run beside this one) finished the same build meanwhile and may be loading it
             shutil.rmtree(tmp, ignore_errors=True)
             return out
         if out.exists():

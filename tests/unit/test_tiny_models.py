@@ -167,7 +167,7 @@ def test_a_cached_build_that_fails_its_check_is_built_again(tmp_path):
 
 
 def test_a_build_finished_meanwhile_by_another_process_is_kept(tmp_path):
-    """Two test runs side by side (CI runs both releases' tests at once) may build the same model: the one that
+    """Two test runs side by side (say, one per lmdeploy release) may build the same model: the one that
     finishes second keeps the first one's build, which the first run may already be loading."""
     def build_of_the_other_process(out):
         (out / 'weights').write_text('first')
