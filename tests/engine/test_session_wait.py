@@ -1,0 +1,54 @@
+"""A request's wait for a free inference instance (lmdeploy's ``Session.request_handle``, patch 0047 of 0.18.0 and
+0060 of 0.14.0), driven directly: every instance is held, the bound request waits, an abort ends the wait."""
+import asyncio
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+class _Handle:
+    def __init__(self):
+        self.cancelled = []
+
+    async def async_cancel(self, session_id):
+        self.cancelled.append(session_id)
+
+
+class _Engine:
+    def create_instance(self):
+        return _Handle()
+
+
+def test_a_client_that_leaves_as_its_abort_is_answered_returns_every_instance():
+    """The abort ends the wait with no instance; ``generate`` answers 'abort' inside ``request_handle``, and a
+    client that goes away at that moment closes the generator there. That cancelled through the instance the
+    request never got (AttributeError on ``None``); now the request ends cleanly and the pool keeps its instance."""
+    from lmdeploy.serve.managers.session_manager import SessionManager
+
+    async def main():
+        mgr = SessionManager()
+        mgr.build_request_handle_pool(_Engine(), 1)
+        held = await mgr.request_handle_pool.get()
+        session = mgr.get()
+        session.bind_request()
+
+        async def generate():
+            async with session.request_handle(abortable=True) as handle:
+                yield handle
+
+        gen = generate()
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert not first.done(), 'the request did not wait for the held instance'
+        await session.async_abort()
+        assert await asyncio.wait_for(first, 5) is None and session.abort_requested
+        await gen.aclose()  # the client goes away as the abort is answered
+        assert session._handle is None and held.cancelled == []
+        mgr.request_handle_pool.put(held)
+        assert mgr.request_handle_pool.pool.qsize() == 1
+        # the next request of the session gets the instance
+        async with session.request_handle(abortable=True) as handle:
+            assert handle is held
+
+    asyncio.run(main())
