@@ -207,18 +207,22 @@ class ProbeTokens(NamedTuple):
 
 
 def probe_tokens(info: xgr.TokenizerInfo) -> ProbeTokens:
-    """The :class:`ProbeTokens` of ``info``'s vocabulary."""
+    """The :class:`ProbeTokens` of ``info``'s vocabulary (about a second for a 150k vocabulary, most of it xgrammar's
+    ``decoded_vocab``: a compile service works them out once and hands them to each compiler process it starts)."""
     import numpy as np
 
-    vocab = info.decoded_vocab
-    flags = np.zeros((3, info.vocab_size), dtype=bool)
+    vocab = info.decoded_vocab[:info.vocab_size]
+    count = len(vocab)
+    blank, closes, quotes = np.zeros((3, info.vocab_size), dtype=bool)
     length = np.zeros(info.vocab_size, dtype=np.int32)
-    for token, text in enumerate(vocab[:info.vocab_size]):
-        flags[0, token] = not text.strip()
-        flags[1, token] = b'}' in text or b']' in text
-        flags[2, token] = b'"' in text
-        length[token] = len(text.strip())
-    return ProbeTokens(*flags, length)
+    length[:count] = np.fromiter(map(len, map(bytes.strip, vocab)), dtype=np.int32, count=count)
+    blank[:count] = length[:count] == 0
+    # every byte of the vocabulary, and the token it belongs to
+    data = np.frombuffer(b''.join(vocab), dtype=np.uint8)
+    owner = np.repeat(np.arange(count), np.fromiter(map(len, vocab), dtype=np.int64, count=count))
+    closes[owner[(data == ord('}')) | (data == ord(']'))]] = True
+    quotes[owner[data == ord('"')]] = True
+    return ProbeTokens(blank, closes, quotes, length)
 
 
 #: Memory a probe in the compiler process may allocate beyond twice the matcher limit (a matcher and a fork), for
@@ -428,15 +432,16 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
         end_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     try:
-        info_json = conn.recv()
+        tokenizer = conn.recv()
     except (EOFError, OSError):
         return
     compiler = kinds = None
-    if info_json is not None:  # None: a checker, which parses grammars without a tokenizer
+    if tokenizer is not None:  # None: a checker, which parses grammars without a tokenizer
+        # the tokenizer and the parent's probe_tokens of it (worked out once there, not at each start of a child)
+        info_json, kinds = tokenizer
         info = xgr.TokenizerInfo.deserialize_json(info_json)
         # the parent keeps the cache; a child may be killed any time and its cache would only grow
         compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-        kinds = probe_tokens(info)
     conn.send(('ready',))
     while True:
         try:
@@ -523,9 +528,9 @@ class _Job:
 class _Child:
     """One compiler process and the parent's end of its socket."""
 
-    def __init__(self, tokenizer_info_json: str | None, max_threads: int, fork: bool = True):
+    def __init__(self, tokenizer: tuple[str, ProbeTokens] | None, max_threads: int, fork: bool = True):
         parent_sock, child_sock = socket.socketpair()
-        self._info_json = tokenizer_info_json
+        self._tokenizer = tokenizer
         try:
             self.process = (fork and self._fork(child_sock, max_threads)) or self._spawn(child_sock, max_threads)
         finally:
@@ -555,7 +560,7 @@ class _Child:
     def wait_ready(self) -> None:
         """Hand the child its tokenizer (None: it checks only) and wait until it can compile."""
         try:
-            self.conn.send(self._info_json)
+            self.conn.send(self._tokenizer)
             if self.conn.poll(_STARTUP_TIMEOUT_S):
                 self.conn.recv()
                 self.ready = True
@@ -663,6 +668,8 @@ class GrammarCompileService:
         self.max_threads = max_threads
         self.transfer_limit_bytes = transfer_limit_bytes
         self.fork = fork
+        self._kinds: ProbeTokens | None = None
+        self._kinds_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
@@ -1092,7 +1099,7 @@ class GrammarCompileService:
                 raise GrammarCompilerUnavailable('the grammar compile service was closed')
             # started outside the lock: the first start of a fork server (or a fresh one after it died) takes seconds,
             # and submit(), check() and close() take the lock
-            child = _Child(self._info_json, self.max_threads, self.fork)
+            child = _Child(self._child_tokenizer(), self.max_threads, self.fork)
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -1107,6 +1114,16 @@ class GrammarCompileService:
                 self._children[slot] = None
                 raise
         return child
+
+    def _child_tokenizer(self) -> tuple[str, ProbeTokens] | None:
+        """What a compiler process gets at its start: the tokenizer's JSON and its :func:`probe_tokens` (worked out
+        by the first start that needs them), or None for a checker."""
+        if self._info_json is None:
+            return None
+        with self._kinds_lock:
+            if self._kinds is None:
+                self._kinds = probe_tokens(self._info)
+        return self._info_json, self._kinds
 
     def _drop_child(self, slot: int) -> int | None:
         child, self._children[slot] = self._children[slot], None

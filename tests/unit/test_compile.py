@@ -35,6 +35,7 @@ from lmdeploy_guided_spec.compile import (
     grammar_checker,
     grammar_cost,
     grammar_is_empty,
+    probe_tokens,
     run_entry_check,
 )
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
@@ -853,6 +854,23 @@ def test_the_cost_of_a_grammar():
               'required': ['title', 'rows']}
     deep = grammar_cost(compiler.compile_json_schema(json.dumps(nested)))
     assert deep.state_bytes > 128 << 20, deep
+
+
+@pytest.mark.parametrize('name', sorted(TOKENIZERS))
+def test_probe_tokens_are_those_of_each_tokens_text(name):
+    """probe_tokens works over the whole vocabulary at once; token by token it is what its fields say (a vocabulary
+    cut to the model's logits, and one padded beyond the tokenizer's tokens, whose padding is no kind of text)."""
+    tokenizer = load_tokenizer(name)
+    for info in (tokenizer_info(name), xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer) + 64)):
+        kinds = probe_tokens(info)
+        vocab = info.decoded_vocab[:info.vocab_size]
+        assert all(len(field) == info.vocab_size for field in kinds)
+        assert kinds.blank.tolist() == [not text.strip() for text in vocab] + [False] * (info.vocab_size - len(vocab))
+        assert kinds.closes.tolist() == [b'}' in text or b']' in text for text in vocab] + \
+            [False] * (info.vocab_size - len(vocab))
+        assert kinds.quotes.tolist() == [b'"' in text for text in vocab] + [False] * (info.vocab_size - len(vocab))
+        assert kinds.length.tolist() == [len(text.strip()) for text in vocab] + [0] * (info.vocab_size - len(vocab))
+        assert kinds.quotes.sum() > 100 and kinds.blank.sum() > 10 and kinds.closes.sum() > 10
 
 
 def test_a_grammar_whose_matcher_grows_huge_fails_with_the_reason():
