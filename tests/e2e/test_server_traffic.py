@@ -287,6 +287,62 @@ def _refused(client, model, messages, fmt, reason):
         assert reason in choice.message.content, choice
 
 
+def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` as JSON to ``path``: the HTTP status and the JSON answer."""
+    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), {'Content-Type': 'application/json'})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        text = err.read()
+        try:
+            return err.code, json.loads(text)
+        except ValueError:
+            return err.code, {'text': text.decode(errors='replace')}
+
+
+def test_a_session_id_in_use_is_refused_with_a_conflict(server):
+    """A request with the ``session_id`` of a request still running: HTTP 409 that names the id (chat, completions,
+    generate), never HTTP 500 "Internal Server Error" (lmdeploy's session manager raised ValueError "User session id
+    N already exists" out of the handler); the running request goes on, and the id serves again once it ended.
+    Prompt lists of /v1/completions side by side are served too (0.14.0 gave each list item the session ids 1, 2,
+    ...: the second list failed the same way)."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    session_id = 4242
+    messages = [{'role': 'user', 'content': 'A person, please.'}]
+    running = client.chat.completions.create(model=model, messages=messages, max_tokens=120, stream=True,
+                                             extra_body={'session_id': session_id, 'ignore_eos': True})
+    chunks = iter(running)
+    next(chunks)
+    requests = {'/v1/chat/completions': {'model': model, 'messages': messages, 'max_tokens': 8,
+                                         'session_id': session_id, 'response_format': response_format('json_schema')},
+                '/v1/completions': {'model': model, 'prompt': 'A person:', 'max_tokens': 8, 'session_id': session_id},
+                '/generate': {'prompt': 'A person:', 'max_tokens': 8, 'session_id': session_id}}
+    for path, body in requests.items():
+        status, answer = _post(base, path, body)
+        assert status == 409, (path, status, answer)
+        assert f'session_id {session_id} is in use' in json.dumps(answer), (path, answer)
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finish[-1] == 'length'
+    status, answer = _post(base, '/v1/chat/completions', requests['/v1/chat/completions'] | {'max_tokens': 96})
+    assert status == 200 and answer['choices'][0]['finish_reason'] == 'stop', answer
+    check_valid(answer['choices'][0]['message']['content'], response_format('json_schema'))
+    # two prompt lists side by side (the first still running when the second arrives), and a request of session 1
+    lists = concurrent.futures.ThreadPoolExecutor(2)
+    first = lists.submit(_post, base, '/v1/completions', {'model': model, 'prompt': ['One:', 'Two:'],
+                                                          'max_tokens': 100, 'ignore_eos': True})
+    time.sleep(1)
+    second = lists.submit(_post, base, '/v1/completions', {'model': model, 'prompt': ['Three:', 'Four:'],
+                                                           'max_tokens': 8})
+    own = _post(base, '/v1/completions', {'model': model, 'prompt': 'Five:', 'max_tokens': 8, 'session_id': 1})
+    for status, answer in (first.result(), second.result(), own):
+        assert status == 200, (status, answer)
+    assert [len(first.result()[1]['choices']), len(second.result()[1]['choices'])] == [2, 2]
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
 def test_sampling_that_leaves_one_token_is_greedy_decoding(server):
     """Through the server (eagle3), concurrent and streamed: sampling that leaves a single token at each step
     (``top_k=1``, a ``top_p`` or ``min_p`` that only the likeliest token passes, a temperature of 1e-38) must give
