@@ -38,7 +38,7 @@ from sybil import Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
-from lmdeploy_guided_spec.testing import free_port
+from lmdeploy_guided_spec.testing import free_port, kill_at_exit
 
 ROOT = Path(__file__).parent
 #: The most one example may take (the demo builds SmolLM2 on a fresh machine).
@@ -117,9 +117,8 @@ class DocsRunner:
             proc = subprocess.Popen(['bash', '-c', source], cwd=ROOT, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.servers.append((proc, log))
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            # a terminated test run (a CI time limit) still stops the servers: SystemExit runs the fixture's teardown
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        # a terminated test run (a CI time limit) still stops the servers, with their engine processes
+        kill_at_exit(proc)
         deadline = time.monotonic() + SERVER_STARTUP_S
         while True:
             if proc.poll() is not None:

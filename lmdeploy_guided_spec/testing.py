@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import os
 import random
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import xgrammar as xgr
 from .bitmask import unpack_bitmask
 
 __all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens',
-           'environ', 'free_port']
+           'environ', 'free_port', 'kill_at_exit', 'forget_at_exit']
 
 
 @contextlib.contextmanager
@@ -63,6 +64,57 @@ def free_port() -> int:
                 continue
         _handed_out_ports.add(port)
         return port
+
+
+#: process groups that a SIGTERM of this process, or its exit, must not leave running: by the pid of their leader
+_groups: dict[int, object] = {}
+_kill_at_exit_installed = False
+
+
+def _kill_groups() -> None:
+    for pid, proc in list(_groups.items()):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        _groups.pop(pid, None)
+
+
+def _install_kill_at_exit() -> None:
+    global _kill_at_exit_installed
+    if _kill_at_exit_installed:
+        return
+    import atexit
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        _kill_groups()
+        if callable(previous):
+            previous(signum, frame)
+        else:  # the default: end as a SIGTERM ends a process
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: the exit handler alone
+        pass
+    atexit.register(_kill_groups)
+    _kill_at_exit_installed = True
+
+
+def kill_at_exit(proc) -> None:
+    """Kill the process group ``proc`` leads (a ``subprocess.Popen`` started with ``start_new_session=True``: a
+    server with its engine processes) when this process gets SIGTERM or exits while ``proc`` runs. A test run stopped
+    by a time limit (``timeout`` sends SIGTERM) skips the tests' ``finally`` blocks: an api_server and its engine
+    process went on decoding for 45 minutes beside the next run. A SIGTERM handler installed before the first call
+    still runs, after the kill."""
+    _install_kill_at_exit()
+    _groups[proc.pid] = proc
+
+
+def forget_at_exit(proc) -> None:
+    """Take back :func:`kill_at_exit` for ``proc`` (it was stopped)."""
+    _groups.pop(proc.pid, None)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 
-from lmdeploy_guided_spec.testing import environ, free_port
+from lmdeploy_guided_spec.testing import environ, forget_at_exit, free_port, kill_at_exit
 
 NUM_SPEC_TOKENS = 3
 STARTUP_S = 300
@@ -241,6 +241,8 @@ def spawn_server(args: list[str], log, max_batch_size: int = 4,
            '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
     with open(log, 'wb') as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    # a test run stopped by SIGTERM skips the tests' finally blocks: the server would go on decoding
+    kill_at_exit(proc)
     return proc, port
 
 
@@ -271,6 +273,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    forget_at_exit(proc)
 
 
 def banned_tokens_and_dead_ends(pipe) -> None:

@@ -1,0 +1,60 @@
+"""testing.kill_at_exit: a test run stopped by SIGTERM, or one that exits, leaves no server process group running."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+# a process that starts a process group of two (a leader and its child, as a server and its engine process), hands it
+# to kill_at_exit, prints the two pids, and then waits or exits as its argument says
+SCRIPT = r'''
+import subprocess, sys, time
+from lmdeploy_guided_spec.testing import kill_at_exit
+group = subprocess.Popen(['bash', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+kill_at_exit(group)
+print(group.pid, group.stdout.readline().strip(), flush=True)
+if sys.argv[1] != 'exit':
+    time.sleep(300)
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split(') ')[1].startswith('Z')  # a zombie is gone, its parent has not reaped it yet
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_gone(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads /proc')
+@pytest.mark.parametrize('how', ['sigterm', 'exit'])
+def test_a_process_group_ends_with_the_process_that_started_it(how):
+    proc = subprocess.Popen([sys.executable, '-c', SCRIPT, how], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        if how == 'sigterm':
+            assert not any(_gone(pid) for pid in pids)
+            os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        # SIGTERM still ends the process as SIGTERM does
+        assert code == {'sigterm': -signal.SIGTERM, 'exit': 0}[how]
+        assert _wait_gone(pids), pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
