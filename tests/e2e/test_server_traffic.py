@@ -161,15 +161,23 @@ def test_hostile_requests(server):
     assert traffic.health(base) == 200
 
 
+def _post(base: str, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    """POST ``body`` as JSON to ``path``: the HTTP status and the answer (its JSON, else ``{'text': ...}``)."""
+    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), {'Content-Type': 'application/json'})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            status, text = answer.status, answer.read()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, {'text': text.decode(errors='replace')}
+
+
 def _abort(base: str, **body) -> int:
     """``/abort_request`` with ``body``: its HTTP status."""
-    request = urllib.request.Request(f'{base}/abort_request', json.dumps(body).encode(),
-                                     {'Content-Type': 'application/json'})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status
-    except urllib.error.HTTPError as err:
-        return err.code
+    return _post(base, '/abort_request', body, timeout=30)[0]
 
 
 def test_an_abort_reaches_a_request_in_its_entry_check(server):
@@ -285,20 +293,6 @@ def _refused(client, model, messages, fmt, reason):
         import lmdeploy
         assert lmdeploy.__version__ == '0.14.0' and choice.finish_reason == 'error', choice
         assert reason in choice.message.content, choice
-
-
-def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    """POST ``body`` as JSON to ``path``: the HTTP status and the JSON answer."""
-    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), {'Content-Type': 'application/json'})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as err:
-        text = err.read()
-        try:
-            return err.code, json.loads(text)
-        except ValueError:
-            return err.code, {'text': text.decode(errors='replace')}
 
 
 def test_a_session_id_in_use_is_refused_with_a_conflict(server):
