@@ -8,6 +8,7 @@ string schema is refused before the engine (7); raw logprobs of guided requests 
 """
 import asyncio
 import concurrent.futures
+import io
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import urllib.request
 
 import openai
 import pytest
+import random_traffic
 import server_traffic as traffic
 from e2e_helpers import PERSON, YEAR, check_valid, response_format, start_server, stop_server
 
@@ -31,6 +33,9 @@ pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 ROUNDS = 3
 CONCURRENT = 32
 DISCONNECTS = 20
+#: the random traffic the default suite sends (tests/e2e/random_traffic.py runs longer hunts)
+RANDOM_SEED = 7
+RANDOM_REQUESTS = 60
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
@@ -334,6 +339,77 @@ def test_a_session_id_in_use_is_refused_with_a_conflict(server):
     for status, answer in (first.result(), second.result(), own):
         assert status == 200, (status, answer)
     assert [len(first.result()[1]['choices']), len(second.result()[1]['choices'])] == [2, 2]
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
+def test_completions_serve_logprobs(server):
+    """/v1/completions with ``logprobs``: OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs`` and
+    ``text_offset`` for every token, streamed or not, guided or not. lmdeploy raised ValueError('logprobs is
+    removed') inside the stream (the client got a broken chunked response) and answered ``logprobs: null``
+    without a stream."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, prompt='A person:', max_tokens=6, temperature=0, logprobs=2,
+                  extra_body={'ignore_eos': True})
+    choice = client.completions.create(**kwargs).choices[0]
+    lp = choice.logprobs
+    assert lp is not None and len(lp.tokens) == 6, choice
+    assert ''.join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    for token, logprob, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert math.isfinite(logprob) and logprob <= 0
+        assert tops[token] == logprob and 2 <= len(tops) <= 3, (token, tops)
+    streamed = [chunk.choices[0] for chunk in client.completions.create(stream=True, **kwargs) if chunk.choices]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert streamed[-1].finish_reason == 'length'
+    assert tokens == lp.tokens and offsets == lp.text_offset, streamed
+    assert ''.join(c.text for c in streamed) == choice.text
+    # a guided request: its document and the logprobs of each of its tokens
+    fmt = response_format('json_schema')
+    guided = client.completions.create(model=model, prompt='A person:', max_tokens=96, temperature=0, logprobs=3,
+                                       extra_body={'response_format': fmt}).choices[0]
+    assert guided.finish_reason == 'stop', guided
+    check_valid(guided.text, fmt)
+    assert guided.logprobs.tokens and all(math.isfinite(x) for x in guided.logprobs.token_logprobs), guided
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
+def test_prompts_at_the_edges(server):
+    """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
+    server error, and a prompt longer than the context is refused as such: HTTP 400 (0.18.0) or finish_reason
+    'error' (0.14.0), saying it exceeds the context length. On 0.14.0 the empty prompt was HTTP 500 (``len(None)``)
+    and the long one ended with "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
+    proc, base, log = server
+    model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
+    status, answer = _post(base, '/v1/completions', {'model': model, 'prompt': '', 'max_tokens': 4,
+                                                     'ignore_eos': True})
+    assert status == 200 and answer['choices'][0]['finish_reason'] == 'length', (status, answer)
+    status, answer = _post(base, '/generate', {'prompt': '', 'max_tokens': 4})
+    assert status == 400 and 'empty' in json.dumps(answer), (status, answer)
+    status, answer = _post(base, '/v1/chat/completions', {'model': model, 'messages': [], 'max_tokens': 4})
+    assert status < 500, (status, answer)
+    long = 'word ' * 5000
+    for path, body in (('/v1/completions', {'model': model, 'prompt': long}),
+                       ('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': long}]})):
+        status, answer = _post(base, path, {**body, 'max_tokens': 4})
+        text = json.dumps(answer)
+        assert 'context length' in text and 'internal error' not in text, (path, status, answer)
+        assert status == 400 or status == 200 and answer['choices'][0]['finish_reason'] == 'error', (path, answer)
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
+def test_random_traffic(server):
+    """Seeded random traffic (``random_traffic.py``: every endpoint and format, hostile schemas and settings, cut
+    streams, session ids in use): no HTTP 5xx, no dropped connection or broken stream, every guided document that
+    stopped valid, and the check request after each wave answers a valid document."""
+    proc, base, log = server
+    out = io.StringIO()
+    outcomes, failures = asyncio.run(random_traffic.run(base, seed=RANDOM_SEED, requests=RANDOM_REQUESTS, out=out))
+    random_traffic.report(outcomes, failures, out)
+    assert not failures, out.getvalue()[-8000:]
+    assert len(outcomes) == RANDOM_REQUESTS
     assert proc.poll() is None and traffic.health(base) == 200
 
 

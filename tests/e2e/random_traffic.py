@@ -1,0 +1,415 @@
+"""Seeded random traffic for a running api_server, to hunt the defects that only mixed, hostile traffic shows.
+
+Waves of 1 to 8 concurrent requests on ``/v1/chat/completions``, ``/v1/completions`` and ``/generate``, each a random
+mix of what clients send: every ``response_format`` kind and the guided fields of vLLM and SGLang, schemas built to
+hurt (recursive, deep, wide, unsatisfiable, invalid), sampling settings in and out of range, ``n``, logprobs, stop
+words, penalties, ``min_new_tokens``, ``ignore_eos``, a ``session_id`` other requests may hold, prompts empty, long or
+made of token ids, streams read to the end or left after a few chunks. After each wave a guided greedy request must
+answer a valid document. Run against a server of the CPU path (docs/en/developing.md)::
+
+    .venv/bin/python tests/e2e/random_traffic.py --url http://127.0.0.1:23333 --seed 1 --seconds 600
+
+A failure is a request answered HTTP 5xx, a connection the server dropped, a stream that does not end with
+``[DONE]`` or carries an internal error, a guided answer that stopped but is not a valid document, or a wave's
+check request that does not answer one. Each is printed with its request body (the seed replays the bodies, not the
+server's timing). ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few waves of it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import jsonschema
+
+PERSON = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 12},
+                                           'age': {'type': 'integer', 'minimum': 0, 'maximum': 150}},
+          'required': ['name', 'age'], 'additionalProperties': False}
+LINKED = {'$defs': {'n': {'type': 'object', 'properties': {'v': {'type': 'integer'},
+                                                           'next': {'anyOf': [{'$ref': '#/$defs/n'},
+                                                                              {'type': 'null'}]}},
+                          'required': ['v', 'next'], 'additionalProperties': False}},
+          '$ref': '#/$defs/n'}
+
+
+def _deep(depth: int) -> dict:
+    schema: dict = {'type': 'integer'}
+    for _ in range(depth):
+        schema = {'type': 'array', 'items': schema, 'maxItems': 2}
+    return schema
+
+
+#: JSON schemas whose every document xgrammar's grammar allows is valid (checked with jsonschema) ...
+EXACT_SCHEMAS = [
+    PERSON,
+    LINKED,
+    {'enum': ['alpha', 'beta', 'gamma delta', 3, None]},
+    {'type': 'array', 'items': {'type': 'integer'}, 'minItems': 2, 'maxItems': 4},
+    {'type': 'string', 'pattern': '^[0-9]{2,5}$'},
+    {'type': 'object', 'properties': {'a': {'type': 'array', 'items': {
+        'type': 'object', 'properties': {'b': {'type': 'number'}, 'c': {'type': 'boolean'}}, 'required': ['b'],
+        'additionalProperties': False}}}, 'additionalProperties': False},
+    {'anyOf': [{'type': 'integer'}, {'type': 'null'}, {'type': 'string', 'maxLength': 3}]},
+    _deep(12),
+    {'type': 'object', 'properties': {f'k{i}': {'type': 'boolean'} for i in range(40)},
+     'required': [f'k{i}' for i in range(40)], 'additionalProperties': False},
+    {'enum': [f'value {i}' for i in range(300)]},
+    {},
+    {'type': 'object', 'additionalProperties': False},
+    {'const': 'only'},
+]
+#: ... schemas xgrammar serves but checks less than jsonschema does (formats), only parsed ...
+LOOSE_SCHEMAS = [
+    {'type': 'string', 'format': 'date'},
+    {'type': 'object', 'properties': {'when': {'type': 'string', 'format': 'date-time'},
+                                      'mail': {'type': 'string', 'format': 'email'}}, 'required': ['when']},
+]
+#: ... and schemas a server refuses or serves as it documents (without instances, invalid)
+HOSTILE_SCHEMAS = [
+    {'$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'},
+    {'type': 'nope'},
+    {'not': {}},
+    {'type': 'integer', 'minimum': 5, 'maximum': 1},
+    {'$ref': '#/$defs/missing'},
+    {'type': 'string', 'pattern': '('},
+    {'type': 'array', 'minItems': 3, 'maxItems': 1},
+    'not an object',
+]
+REGEXES = ['[a-c]{3,9}', '(yes|no)', r'\d{1,3}(\.\d{1,3}){3}', '(', '', 'a{1000}']
+PROMPTS = ['hi', 'A JSON person, please.', '{"a":', 'Ünïcødé ✓ 日本語', '', 'x' * 300, 'word ' * 2000]
+
+
+@dataclass
+class Outcome:
+    """What became of one request."""
+    key: tuple
+    failure: str | None = None
+    body: dict = field(default_factory=dict)
+    #: the message of a refusal (HTTP 4xx)
+    refusal: str | None = None
+
+
+def _schema_format(rng: random.Random) -> tuple[dict, dict | None, bool]:
+    """A ``response_format`` of a JSON schema: ``(format, schema, exact)``."""
+    kind = rng.random()
+    if kind < 0.6:
+        schema, exact = rng.choice(EXACT_SCHEMAS), True
+    elif kind < 0.75:
+        schema, exact = rng.choice(LOOSE_SCHEMAS), False
+    else:
+        schema, exact = rng.choice(HOSTILE_SCHEMAS), False
+    return {'type': 'json_schema', 'json_schema': {'name': 'r', 'schema': copy.deepcopy(schema)}}, schema, exact
+
+
+def response_format(rng: random.Random) -> tuple[dict | None, dict | None, bool, bool]:
+    """``(response_format, schema, exact, json)``: ``json`` when a stopped answer must parse as JSON."""
+    pick = rng.random()
+    if pick < 0.2:
+        return None, None, False, False
+    if pick < 0.3:
+        return {'type': 'text'}, None, False, False
+    if pick < 0.4:
+        return {'type': 'json_object'}, None, False, True
+    if pick < 0.55:
+        return {'type': 'regex_schema', 'regex_schema': rng.choice(REGEXES)}, None, False, False
+    fmt, schema, exact = _schema_format(rng)
+    return fmt, schema, exact, isinstance(schema, dict) and schema not in HOSTILE_SCHEMAS
+
+
+def sampling(rng: random.Random, hostile: bool) -> dict:
+    """Sampling settings of an OpenAI request; out of range or of the wrong type too when ``hostile``."""
+    p: dict = {'max_tokens': rng.choice([1, 2, 3, 8, 24, 64])}
+
+    def maybe(prob: float) -> bool:
+        return rng.random() < prob
+
+    def pick(valid: list, invalid: list):
+        return rng.choice(valid + invalid if hostile else valid)
+
+    if maybe(.5):
+        p['temperature'] = pick([0, 0.0001, 0.5, 1.0, 2.0], [-1.0, 3.0])
+    if maybe(.3):
+        p['top_p'] = pick([0.0001, 0.1, 0.9, 1.0], [0.0, 1.5])
+    if maybe(.3):
+        p['top_k'] = pick([0, 1, 2, 40, 200_000], [-1, 10**12])
+    if maybe(.2):
+        p['min_p'] = pick([0.0, 0.5, 0.99, 1.0], [-0.1, 2.0])
+    if maybe(.2):
+        p['min_new_tokens'] = pick([1, 5, 30], [0, -3])
+    if maybe(.2):
+        p['repetition_penalty'] = pick([0.5, 1.0, 1.3, 5.0], [0.0, -1.0])
+    if maybe(.15):
+        p['presence_penalty'] = pick([-2.0, 0.0, 2.0], [9.0])
+    if maybe(.15):
+        p['frequency_penalty'] = pick([-2.0, 1.0, 2.0], [-9.0])
+    if maybe(.2):
+        p['stop'] = rng.choice(['"', '}', ['a', 'b'], '\n', ',', '', []])
+    if maybe(.1):
+        p['stop_token_ids'] = pick([[0]], [[10**15], [-1]])
+    if maybe(.15):
+        p['ignore_eos'] = rng.choice([True, False])
+    if maybe(.2):
+        p['seed'] = rng.randrange(1 << 31)
+    if maybe(.1):
+        p['n'] = pick([1, 2], [0])
+    if maybe(.1):
+        p['skip_special_tokens'] = False
+    if maybe(.1):
+        p['include_stop_str_in_output'] = True
+    if maybe(.1):
+        p['repetition_ngram_size'] = rng.choice([1, 2])
+        p['repetition_ngram_threshold'] = rng.choice([1, 3])
+    if maybe(.1):
+        p['session_id'] = rng.randrange(1, 20)
+    if hostile and maybe(.2):
+        p[rng.choice(['max_tokens', 'temperature', 'top_k'])] = rng.choice(['ten', None, [], -5])
+    return p
+
+
+def guided_fields(rng: random.Random) -> tuple[dict, dict | None, bool, bool]:
+    """The vLLM and SGLang fields of a guided ``/generate`` or ``/v1/completions`` request (valid, conflicting,
+    malformed), or a ``response_format``."""
+    pick = rng.random()
+    if pick < 0.5:
+        fmt, schema, exact, is_json = response_format(rng)
+        return ({} if fmt is None else {'response_format': fmt}), schema, exact, is_json
+    fields = rng.choice([
+        {'guided_json': PERSON}, {'guided_json': json.dumps(PERSON)}, {'guided_regex': '[ab]{2,6}'},
+        {'guided_choice': ['yes', 'no', 'maybe']}, {'guided_grammar': 'root ::= "x" | "y"'},
+        {'structured_outputs': {'json': PERSON}}, {'structured_outputs': {'choice': ['a', 'b']}},
+        {'structured_outputs': {'regex': '[0-9]+'}}, {'regex': '[0-9]{3}'}, {'json_schema': json.dumps(PERSON)},
+        {'ebnf': 'root ::= "q"'}, {'guided_json': PERSON, 'guided_regex': 'a'}, {'guided_choice': []},
+        {'guided_json': 'not json'}, {'guided_regex': '('}, {'structured_outputs': {'json': PERSON, 'regex': 'a'}},
+        {'guided_decoding_backend': 'outlines', 'guided_json': PERSON},
+        {'guided_whitespace_pattern': ' ', 'guided_json': PERSON}])
+    return fields, None, False, False
+
+
+def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, bool, bool, int | None]:
+    """One request: ``(endpoint, body, schema, exact, json, chunks to read before leaving or None)``."""
+    endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate'])
+    hostile = rng.random() < 0.25
+    params = sampling(rng, hostile)
+    if endpoint == '/v1/chat/completions':
+        fmt, schema, exact, is_json = response_format(rng)
+        body = {'model': model, 'messages': [{'role': 'user', 'content': rng.choice(PROMPTS)}], **params}
+        if fmt is not None:
+            body['response_format'] = fmt
+        if rng.random() < 0.15:
+            body['logprobs'] = True
+            body['top_logprobs'] = rng.choice([0, 1, 5, 20])
+        if hostile and rng.random() < 0.1:
+            body['messages'] = rng.choice([[], [{'role': 'user'}], 'hi'])
+    elif endpoint == '/v1/completions':
+        fields, schema, exact, is_json = guided_fields(rng)
+        body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
+        if rng.random() < 0.15:
+            body['logprobs'] = rng.choice([0, 1, 5])
+        if rng.random() < 0.05:
+            body['echo'] = True
+        if rng.random() < 0.05:
+            body['suffix'] = 'x'
+    else:
+        fields, schema, exact, is_json = guided_fields(rng)
+        params.pop('n', None)
+        body = {'prompt': rng.choice(PROMPTS), **params, **fields}
+        if rng.random() < 0.15:
+            body.pop('prompt')
+            body['input_ids'] = rng.choice([[1, 2, 3], [10**9], [-5], []] if hostile else [[1, 2, 3], [42, 7]])
+        if rng.random() < 0.1:
+            body['return_logprob'] = True
+            body['top_logprobs_num'] = rng.choice([0, 2])
+    body['stream'] = rng.random() < 0.4
+    leave_after = rng.randrange(1, 6) if body['stream'] and rng.random() < 0.3 else None
+    return endpoint, body, schema, exact, is_json, leave_after
+
+
+def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
+    """``(text, finish_reason)`` of each choice of a non-streamed answer."""
+    if endpoint == '/generate':
+        reason = (payload.get('meta_info') or {}).get('finish_reason') or {}
+        return [(payload.get('text'), reason.get('type') if isinstance(reason, dict) else reason)]
+    if endpoint == '/v1/completions':
+        return [(c.get('text'), c.get('finish_reason')) for c in payload.get('choices', [])]
+    return [((c.get('message') or {}).get('content'), c.get('finish_reason')) for c in payload.get('choices', [])]
+
+
+def _message(text: str) -> str:
+    """The message of an error answer, cut to a line of a table."""
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:70]
+    if isinstance(payload, dict):
+        inner = payload.get('error', payload)
+        message = inner.get('message', inner.get('detail', payload)) if isinstance(inner, dict) else inner
+        text = message if isinstance(message, str) else json.dumps(message)
+    return ' '.join(text.split())[:70]
+
+
+def check_document(text: str | None, schema: dict | None, exact: bool) -> str | None:
+    """What is wrong with a guided answer that stopped, or None."""
+    try:
+        value = json.loads(text or '')
+    except json.JSONDecodeError as e:
+        return f'not JSON ({e}): {text!r}'
+    if exact and schema is not None:
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError as e:
+            return f'not valid for its schema ({e.message}): {text!r}'
+    return None
+
+
+async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: dict, schema: dict | None,
+               exact: bool, is_json: bool, leave_after: int | None) -> Outcome:
+    """Send one request and judge what came back."""
+    mode = 'left' if leave_after is not None else 'stream' if body.get('stream') else 'plain'
+    try:
+        async with client.post(f'{base}{endpoint}', json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
+            key = (endpoint, mode, r.status)
+            if r.status >= 500:
+                return Outcome(key, f'HTTP {r.status}: {(await r.text())[:300]}', body)
+            if r.status != 200:
+                return Outcome(key, body=body, refusal=_message(await r.text()))
+            if body.get('stream'):
+                chunks, done = 0, False
+                async for line in r.content:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    chunks += 1
+                    if leave_after is not None and chunks >= leave_after:
+                        return Outcome(key, body=body)
+                    if line == b'data: [DONE]':
+                        done = True
+                    elif b'"error"' in line and b'nternal' in line:
+                        return Outcome(key, f'an internal error in the stream: {line[:300]!r}', body)
+                if not done:
+                    return Outcome(key, 'the stream ended without [DONE]', body)
+                return Outcome(key, body=body)
+            payload = await r.json(content_type=None)
+            stop_words = body.get('stop') or body.get('include_stop_str_in_output')
+            if is_json and not stop_words:
+                for text, reason in _texts(endpoint, payload):
+                    if reason == 'stop' and text is not None:
+                        problem = check_document(text, schema, exact)
+                        if problem is not None:
+                            return Outcome((endpoint, mode, 'invalid'), problem, body)
+            return Outcome(key, body=body)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return Outcome((endpoint, mode, type(e).__name__), f'{type(e).__name__}: {e}', body)
+
+
+async def check_request(client: aiohttp.ClientSession, base: str, model: str) -> str | None:
+    """A guided greedy request answers a valid person: what went wrong, or None."""
+    body = {'model': model, 'messages': [{'role': 'user', 'content': 'A person.'}], 'max_tokens': 64,
+            'temperature': 0, 'response_format': {'type': 'json_schema',
+                                                  'json_schema': {'name': 'p', 'schema': PERSON}}}
+    try:
+        async with client.post(f'{base}/v1/chat/completions', json=body,
+                               timeout=aiohttp.ClientTimeout(total=120)) as r:
+            if r.status != 200:
+                return f'the check request answered HTTP {r.status}: {(await r.text())[:300]}'
+            choice = (await r.json())['choices'][0]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f'the check request failed: {type(e).__name__}: {e}'
+    if choice['finish_reason'] != 'stop':
+        return f'the check request did not stop: {choice}'
+    problem = check_document(choice['message']['content'], PERSON, True)
+    return None if problem is None else f'the check request: {problem}'
+
+
+async def _model(client: aiohttp.ClientSession, base: str, wait_s: float, out) -> str:
+    """The model the server serves, once it answers ``/v1/models`` (a server still starting is waited for)."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            async with client.get(f'{base}/v1/models', timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status == 200:
+                    return (await r.json())['data'][0]['id']
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f'{base} did not answer /v1/models within {wait_s:.0f} s')
+        if not said:
+            print(f'waiting for {base} to answer /v1/models', file=out, flush=True)
+            said = True
+        await asyncio.sleep(2)
+
+
+async def run(base: str, seed: int, *, requests: int | None = None, seconds: float | None = None,
+              wait_s: float = 0, out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
+    """Waves of random requests until ``requests`` were sent or ``seconds`` passed: ``(outcomes, failures)``, the
+    failed check requests among the failures. Progress goes to ``out`` after each wave. A server that does not
+    answer yet is waited for up to ``wait_s``."""
+    rng = random.Random(seed)
+    outcomes_all: list[Outcome] = []
+    failures: list[Outcome] = []
+    async with aiohttp.ClientSession() as client:
+        model = await _model(client, base, wait_s, out)
+        start = time.monotonic()
+        sent, wave = 0, 0
+        while (requests is None or sent < requests) and (seconds is None or time.monotonic() - start < seconds):
+            size = rng.randrange(1, 9)
+            if requests is not None:
+                size = min(size, requests - sent)
+            outcomes = await asyncio.gather(*[send(client, base, *build(rng, model)) for _ in range(size)])
+            sent += size
+            wave += 1
+            outcomes_all.extend(outcomes)
+            for outcome in outcomes:
+                if outcome.failure is not None:
+                    failures.append(outcome)
+            problem = await check_request(client, base, model)
+            if problem is not None:
+                failures.append(Outcome(('check',), problem))
+            print(f'wave {wave}: {sent} requests, {len(failures)} failures, {time.monotonic() - start:.0f} s',
+                  file=out, flush=True)
+    return outcomes_all, failures
+
+
+def report(outcomes: list[Outcome], failures: list[Outcome], out=sys.stdout) -> None:
+    """The table of outcomes, the refusals by message, the failures with their bodies, and the line
+    ``random_traffic_failures N``."""
+    counts = collections.Counter(o.key for o in outcomes)
+    print(f'{"endpoint":<22} {"mode":<7} {"status":<20} {"requests":>8}', file=out)
+    for (endpoint, mode, status), n in sorted(((k, v) for k, v in counts.items()), key=lambda kv: str(kv[0])):
+        print(f'{endpoint:<22} {mode:<7} {str(status):<20} {n:>8}', file=out)
+    refusals = collections.Counter(o.refusal for o in outcomes if o.refusal is not None)
+    if refusals:
+        print(f'\n{"refusals (HTTP 4xx), by message":<72} {"requests":>8}', file=out)
+        for message, n in refusals.most_common():
+            print(f'{message:<72} {n:>8}', file=out)
+    for outcome in failures:
+        print(f'FAILED {outcome.key}: {outcome.failure}\n    {json.dumps(outcome.body)[:600]}', file=out)
+    print(f'random_traffic_failures {len(failures)}', file=out, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--url', default='http://127.0.0.1:23333', help='the api_server (default: %(default)s)')
+    parser.add_argument('--seed', type=int, default=0, help='seed of the request bodies (default: %(default)s)')
+    parser.add_argument('--seconds', type=float, default=None, help='stop starting waves after this long')
+    parser.add_argument('--requests', type=int, default=None, help='stop after this many requests')
+    parser.add_argument('--wait', type=float, default=600,
+                        help='seconds to wait for a server that is still starting (default: %(default)s)')
+    args = parser.parse_args(argv)
+    if args.seconds is None and args.requests is None:
+        args.seconds = 300
+    outcomes, failures = asyncio.run(run(args.url.rstrip('/'), args.seed, requests=args.requests,
+                                         seconds=args.seconds, wait_s=args.wait))
+    report(outcomes, failures)
+    return 1 if failures else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
