@@ -37,6 +37,24 @@ def test_invalid_format_fails_alone(engines, method):
     check_valid(again.text, good)
 
 
+def test_an_empty_prompt_fails_alone(engines):
+    """An empty prompt fails its own request and the engine serves on. DeepSeek's tokenizer (Qwen's too) adds no BOS
+    token, so ``''`` is no token at all: the request reached the assertion "Empty input is not allowed." of the
+    engine's ``_add_message``, which stopped the engine for every request (an api_server answered HTTP 503 from
+    then on to every request)."""
+    pipe = engines(METHODS['deepseek_mtp'])
+    good = response_format('json_schema')
+    outputs = pipe(['', PROMPTS[0]], gen_config=[gen_config(None, max_new_tokens=4), gen_config(good)],
+                   do_preprocess=False)
+    assert outputs[0].finish_reason == 'error', outputs[0]
+    assert 'empty' in (getattr(outputs[0], 'error_message', None) or outputs[0].text), outputs[0]
+    assert outputs[1].finish_reason == 'stop', outputs[1]
+    check_valid(outputs[1].text, good)
+    again = generate(pipe, PROMPTS[1:2], [gen_config(good)])[0]
+    assert again.finish_reason == 'stop'
+    check_valid(again.text, good)
+
+
 @pytest.mark.parametrize('method', ['eagle3'])
 def test_finished_sessions_leave_no_grammar_state(engines, method):
     pipe = engines(METHODS[method])
