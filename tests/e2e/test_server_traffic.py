@@ -378,7 +378,8 @@ def test_completions_serve_logprobs(server):
 
 def test_prompts_at_the_edges(server):
     """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
-    server error, and a prompt longer than the context is refused as such: HTTP 400 (0.18.0) or finish_reason
+    server error, null sampling fields are their defaults, a token-id prompt on /v1/completions is HTTP 400, and a
+    prompt longer than the context is refused as such: HTTP 400 (0.18.0) or finish_reason
     'error' (0.14.0), saying it exceeds the context length. On 0.14.0 the empty prompt was HTTP 500 (``len(None)``)
     and the long one ended with "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
     proc, base, log = server
@@ -390,6 +391,18 @@ def test_prompts_at_the_edges(server):
     assert status == 400 and 'empty' in json.dumps(answer), (status, answer)
     status, answer = _post(base, '/v1/chat/completions', {'model': model, 'messages': [], 'max_tokens': 4})
     assert status < 500, (status, answer)
+    # sampling fields sent as null take their defaults (0.14.0 compared them: HTTP 500), and a prompt of token ids
+    # is refused on /v1/completions (0.14.0: HTTP 500 "unsupported prompt type")
+    nulls = {'temperature': None, 'top_p': None, 'top_k': None, 'n': None, 'max_tokens': 4}
+    for path, body in (('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': 'Hi'}]}),
+                       ('/v1/completions', {'model': model, 'prompt': 'Hi'})):
+        status, answer = _post(base, path, {**body, **nulls})
+        assert status == 200, (path, status, answer)
+    # (0.14.0's /generate declares them not nullable: HTTP 422)
+    status, answer = _post(base, '/generate', {'prompt': 'Hi', **nulls})
+    assert status in (200, 422), (status, answer)
+    status, answer = _post(base, '/v1/completions', {'model': model, 'prompt': [1, 2, 3], 'max_tokens': 4})
+    assert status == 400, (status, answer)
     long = 'word ' * 5000
     for path, body in (('/v1/completions', {'model': model, 'prompt': long}),
                        ('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': long}]})):
