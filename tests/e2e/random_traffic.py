@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import jsonschema
+from e2e_helpers import check_valid
 
 PERSON = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 12},
                                            'age': {'type': 'integer', 'minimum': 0, 'maximum': 150}},
@@ -96,31 +97,35 @@ class Outcome:
     refusal: str | None = None
 
 
-def _schema_format(rng: random.Random) -> tuple[dict, dict | None, bool]:
-    """A ``response_format`` of a JSON schema: ``(format, schema, exact)``."""
+#: How a guided answer that stopped is checked: ``'valid'``, an instance of its format (``check_valid``); ``'json'``,
+#: a JSON document; ``None``, not at all.
+Check = str | None
+
+
+def _schema_format(rng: random.Random) -> tuple[dict, Check]:
+    """A ``response_format`` of a JSON schema, and how its answer is checked."""
     kind = rng.random()
     if kind < 0.6:
-        schema, exact = rng.choice(EXACT_SCHEMAS), True
+        schema, check = rng.choice(EXACT_SCHEMAS), 'valid'
     elif kind < 0.75:
-        schema, exact = rng.choice(LOOSE_SCHEMAS), False
+        schema, check = rng.choice(LOOSE_SCHEMAS), 'json'
     else:
-        schema, exact = rng.choice(HOSTILE_SCHEMAS), False
-    return {'type': 'json_schema', 'json_schema': {'name': 'r', 'schema': copy.deepcopy(schema)}}, schema, exact
+        schema, check = rng.choice(HOSTILE_SCHEMAS), None
+    return {'type': 'json_schema', 'json_schema': {'name': 'r', 'schema': copy.deepcopy(schema)}}, check
 
 
-def response_format(rng: random.Random) -> tuple[dict | None, dict | None, bool, bool]:
-    """``(response_format, schema, exact, json)``: ``json`` when a stopped answer must parse as JSON."""
+def response_format(rng: random.Random) -> tuple[dict | None, Check]:
+    """A ``response_format`` (or None), and how its answer is checked."""
     pick = rng.random()
     if pick < 0.2:
-        return None, None, False, False
+        return None, None
     if pick < 0.3:
-        return {'type': 'text'}, None, False, False
+        return {'type': 'text'}, None
     if pick < 0.4:
-        return {'type': 'json_object'}, None, False, True
+        return {'type': 'json_object'}, 'json'
     if pick < 0.55:
-        return {'type': 'regex_schema', 'regex_schema': rng.choice(REGEXES)}, None, False, False
-    fmt, schema, exact = _schema_format(rng)
-    return fmt, schema, exact, isinstance(schema, dict) and schema not in HOSTILE_SCHEMAS
+        return {'type': 'regex_schema', 'regex_schema': rng.choice(REGEXES)}, None
+    return _schema_format(rng)
 
 
 def sampling(rng: random.Random, hostile: bool) -> dict:
@@ -173,13 +178,13 @@ def sampling(rng: random.Random, hostile: bool) -> dict:
     return p
 
 
-def guided_fields(rng: random.Random) -> tuple[dict, dict | None, bool, bool]:
+def guided_fields(rng: random.Random) -> tuple[dict, dict | None, Check]:
     """The vLLM and SGLang fields of a guided ``/generate`` or ``/v1/completions`` request (valid, conflicting,
     malformed), or a ``response_format``."""
     pick = rng.random()
     if pick < 0.5:
-        fmt, schema, exact, is_json = response_format(rng)
-        return ({} if fmt is None else {'response_format': fmt}), schema, exact, is_json
+        fmt, check = response_format(rng)
+        return ({} if fmt is None else {'response_format': fmt}), fmt, check
     fields = rng.choice([
         {'guided_json': PERSON}, {'guided_json': json.dumps(PERSON)}, {'guided_regex': '[ab]{2,6}'},
         {'guided_choice': ['yes', 'no', 'maybe']}, {'guided_grammar': 'root ::= "x" | "y"'},
@@ -189,16 +194,16 @@ def guided_fields(rng: random.Random) -> tuple[dict, dict | None, bool, bool]:
         {'guided_json': 'not json'}, {'guided_regex': '('}, {'structured_outputs': {'json': PERSON, 'regex': 'a'}},
         {'guided_decoding_backend': 'outlines', 'guided_json': PERSON},
         {'guided_whitespace_pattern': ' ', 'guided_json': PERSON}])
-    return fields, None, False, False
+    return fields, None, None
 
 
-def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, bool, bool, int | None]:
-    """One request: ``(endpoint, body, schema, exact, json, chunks to read before leaving or None)``."""
+def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, Check, int | None]:
+    """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``."""
     endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate'])
     hostile = rng.random() < 0.25
     params = sampling(rng, hostile)
     if endpoint == '/v1/chat/completions':
-        fmt, schema, exact, is_json = response_format(rng)
+        fmt, check = response_format(rng)
         body = {'model': model, 'messages': [{'role': 'user', 'content': rng.choice(PROMPTS)}], **params}
         if fmt is not None:
             body['response_format'] = fmt
@@ -208,7 +213,7 @@ def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, bool,
         if hostile and rng.random() < 0.1:
             body['messages'] = rng.choice([[], [{'role': 'user'}], 'hi'])
     elif endpoint == '/v1/completions':
-        fields, schema, exact, is_json = guided_fields(rng)
+        fields, fmt, check = guided_fields(rng)
         body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
         if rng.random() < 0.15:
             body['logprobs'] = rng.choice([0, 1, 5])
@@ -217,7 +222,7 @@ def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, bool,
         if rng.random() < 0.05:
             body['suffix'] = 'x'
     else:
-        fields, schema, exact, is_json = guided_fields(rng)
+        fields, fmt, check = guided_fields(rng)
         params.pop('n', None)
         body = {'prompt': rng.choice(PROMPTS), **params, **fields}
         if rng.random() < 0.15:
@@ -228,7 +233,7 @@ def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, bool,
             body['top_logprobs_num'] = rng.choice([0, 2])
     body['stream'] = rng.random() < 0.4
     leave_after = rng.randrange(1, 6) if body['stream'] and rng.random() < 0.3 else None
-    return endpoint, body, schema, exact, is_json, leave_after
+    return endpoint, body, fmt, check, leave_after
 
 
 def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
@@ -254,22 +259,22 @@ def _message(text: str) -> str:
     return ' '.join(text.split())[:70]
 
 
-def check_document(text: str | None, schema: dict | None, exact: bool) -> str | None:
+def check_document(text: str | None, fmt: dict, check: Check) -> str | None:
     """What is wrong with a guided answer that stopped, or None."""
     try:
-        value = json.loads(text or '')
+        if check == 'valid':
+            check_valid(text or '', fmt)
+        else:
+            json.loads(text or '')
     except json.JSONDecodeError as e:
         return f'not JSON ({e}): {text!r}'
-    if exact and schema is not None:
-        try:
-            jsonschema.validate(value, schema)
-        except jsonschema.ValidationError as e:
-            return f'not valid for its schema ({e.message}): {text!r}'
+    except jsonschema.ValidationError as e:
+        return f'not valid for its schema ({e.message}): {text!r}'
     return None
 
 
-async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: dict, schema: dict | None,
-               exact: bool, is_json: bool, leave_after: int | None) -> Outcome:
+async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: dict, fmt: dict | None, check: Check,
+               leave_after: int | None) -> Outcome:
     """Send one request and judge what came back."""
     mode = 'left' if leave_after is not None else 'stream' if body.get('stream') else 'plain'
     try:
@@ -297,10 +302,10 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                 return Outcome(key, body=body)
             payload = await r.json(content_type=None)
             stop_words = body.get('stop') or body.get('include_stop_str_in_output')
-            if is_json and not stop_words:
+            if check is not None and not stop_words:
                 for text, reason in _texts(endpoint, payload):
                     if reason == 'stop' and text is not None:
-                        problem = check_document(text, schema, exact)
+                        problem = check_document(text, fmt, check)
                         if problem is not None:
                             return Outcome((endpoint, mode, 'invalid'), problem, body)
             return Outcome(key, body=body)
@@ -310,9 +315,9 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
 
 async def check_request(client: aiohttp.ClientSession, base: str, model: str) -> str | None:
     """A guided greedy request answers a valid person: what went wrong, or None."""
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': PERSON}}
     body = {'model': model, 'messages': [{'role': 'user', 'content': 'A person.'}], 'max_tokens': 64,
-            'temperature': 0, 'response_format': {'type': 'json_schema',
-                                                  'json_schema': {'name': 'p', 'schema': PERSON}}}
+            'temperature': 0, 'response_format': fmt}
     try:
         async with client.post(f'{base}/v1/chat/completions', json=body,
                                timeout=aiohttp.ClientTimeout(total=120)) as r:
@@ -323,7 +328,7 @@ async def check_request(client: aiohttp.ClientSession, base: str, model: str) ->
         return f'the check request failed: {type(e).__name__}: {e}'
     if choice['finish_reason'] != 'stop':
         return f'the check request did not stop: {choice}'
-    problem = check_document(choice['message']['content'], PERSON, True)
+    problem = check_document(choice['message']['content'], fmt, 'valid')
     return None if problem is None else f'the check request: {problem}'
 
 
