@@ -109,16 +109,23 @@ def test_the_analysis_is_linear_in_the_grammar():
     """Optional properties become a chain of rules that one long rule refers to all of: the analysis looked at that
     rule again each time a rule of the chain was found to derive a string (4,000 optional properties: 54 s of
     Python, twice on the way to the engine, holding the interpreter lock). Now it costs little more than reading
-    the rules."""
+    the rules (1 to 2 times here). Each is the best of three timings, and the bound leaves room for a busy machine
+    (the suite runs beside another; one timing there was 5 times): the old analysis was 150 times."""
     import time
 
     from lmdeploy_guided_spec import language
     schema = {'type': 'object', 'properties': {f'field_{i}': {'type': 'string'} for i in range(4000)}}
     text = str(xgr.Grammar.from_json_schema(json.dumps(schema)))
-    start = time.perf_counter()
-    language._rules(text)
-    parse_s = time.perf_counter() - start
-    start = time.perf_counter()
+
+    def best_of_three(work):
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            work()
+            timings.append(time.perf_counter() - start)
+        return min(timings)
+
+    parse_s = best_of_three(lambda: language._rules(text))
     assert language._language_is_empty(text, 'root') is False
-    analysis_s = time.perf_counter() - start
-    assert analysis_s < 3 * parse_s + 0.5, f'{analysis_s:.2f} s, reading the rules {parse_s:.2f} s'
+    analysis_s = best_of_three(lambda: language._language_is_empty(text, 'root'))
+    assert analysis_s < 10 * parse_s + 1, f'{analysis_s:.2f} s, reading the rules {parse_s:.2f} s'
