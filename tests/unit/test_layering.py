@@ -104,3 +104,44 @@ def test_public_names_resolve():
         assert getattr(lmdeploy_guided_spec, name) is not None
     with pytest.raises(AttributeError):
         lmdeploy_guided_spec.no_such_name  # noqa: B018
+
+
+
+def _runs_no_lmdeploy(name: str) -> bool:
+    """Whether importing ``name`` (from a test) loads no lmdeploy code: it is not lmdeploy, and of this package it is
+    the core or a support module whose own imports are the core's or outside lmdeploy."""
+    if name.split('.')[0] == 'lmdeploy':
+        return False
+    if _layer(name) in (None, 'core'):
+        return True
+    source = CORE.parent / f'{name.replace(".", "/")}.py'
+    if _layer(name) != 'support' or not source.is_file():
+        return _layer(name) == 'support'  # the support package or a name inside a module, checked as that module
+    return all(n.split('.')[0] != 'lmdeploy' and _layer(n) in (None, 'core', 'support') for n in _imports(source))
+
+
+def test_the_tests_that_balance_the_two_releases_runs_are_the_cores_own_or_named_checks():
+    """scripts/test.sh runs the tests of tests/balance-0.14.0.txt once, against 0.14.0 when both releases' venvs
+    exist: a unit test there must run no lmdeploy code, and every line must name a test file, or a test in one, that
+    exists."""
+    root = Path(__file__).parents[2]
+    lines = [line.strip() for line in (root / 'tests' / 'balance-0.14.0.txt').read_text().splitlines()]
+    entries = [line for line in lines if line and not line.startswith('#')]
+    assert entries
+    for entry in entries:
+        path, _, name = entry.partition('::')
+        source = root / path
+        assert source.is_file(), f'{entry}: no such test file'
+        tree = ast.parse(source.read_text())
+        if name:
+            assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f'{entry}: no such test'
+        if path.startswith('tests/unit/'):
+            names = []
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.extend(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names.append(node.module or '')
+                    names.extend(f'{node.module}.{a.name}' for a in node.names)
+            bad = [n for n in names if not _runs_no_lmdeploy(n)]
+            assert not bad, f'{entry} imports {bad}'
