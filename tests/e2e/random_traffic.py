@@ -359,7 +359,10 @@ async def run(base: str, seed: int, *, requests: int | None = None, seconds: flo
     rng = random.Random(seed)
     outcomes_all: list[Outcome] = []
     failures: list[Outcome] = []
-    async with aiohttp.ClientSession() as client:
+    # idle connections are dropped after 3 s: lmdeploy's api_server (uvicorn) closes them after 5 s
+    # (UVICORN_TIMEOUT_KEEP_ALIVE), and aiohttp's default of 15 s reused one the server was closing at that moment
+    # ("Can not write request body", once in 392 requests): a race of the client's pool, not of the server
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3)) as client:
         model = await _model(client, base, wait_s, out)
         start = time.monotonic()
         sent, wave = 0, 0
