@@ -106,7 +106,6 @@ def test_public_names_resolve():
         lmdeploy_guided_spec.no_such_name  # noqa: B018
 
 
-
 def _runs_no_lmdeploy(name: str) -> bool:
     """Whether importing ``name`` (from a test) loads no lmdeploy code: it is not lmdeploy, and of this package it is
     the core or a support module whose own imports are the core's or outside lmdeploy."""
