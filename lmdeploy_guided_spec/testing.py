@@ -69,6 +69,8 @@ def free_port() -> int:
 #: process groups that a SIGTERM of this process, or its exit, must not leave running: by the pid of their leader
 _groups: dict[int, object] = {}
 _kill_at_exit_installed = False
+#: whether a SIGTERM of this process kills its multiprocessing children too (kill_children_at_exit)
+_kill_children = False
 
 
 def _kill_groups() -> None:
@@ -88,6 +90,11 @@ def _install_kill_at_exit() -> None:
 
     def on_sigterm(signum, frame):
         _kill_groups()
+        if _kill_children:
+            import multiprocessing
+            for child in multiprocessing.active_children():
+                with contextlib.suppress(OSError):
+                    child.kill()
         if callable(previous):
             previous(signum, frame)
         else:  # the default: end as a SIGTERM ends a process
@@ -110,6 +117,16 @@ def kill_at_exit(proc) -> None:
     still runs, after the kill."""
     _install_kill_at_exit()
     _groups[proc.pid] = proc
+
+
+def kill_children_at_exit() -> None:
+    """Kill this process's ``multiprocessing`` children (the rank processes of lmdeploy's multiprocess executor)
+    when this process gets SIGTERM: they are in its process group but outlive it, waiting for peers that are gone (a
+    stopped test run left one running for 44 minutes). A normal exit leaves them to ``multiprocessing`` and to the
+    engines' ``close()``."""
+    global _kill_children
+    _install_kill_at_exit()
+    _kill_children = True
 
 
 def forget_at_exit(proc) -> None:

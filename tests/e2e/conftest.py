@@ -12,6 +12,7 @@ is switched on here, because Triton reads that switch when it is imported.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,11 +25,26 @@ enable_cpu_triton()
 _HERE = Path(__file__).parent
 
 
+#: where the checks with several ranks run among the e2e tests: ``first``, ``last``, or (unset) in file order.
+#: scripts/test.sh runs them first against one release and last against the other, so that the two runs beside
+#: each other never run them at the same time: two rank processes each on a two-core machine that runs the other
+#: release's tests too took 2.5 to 3 times as long as alone, and memory peaked when both ran them at once
+RANK_TESTS_ENV = 'GUIDED_SPEC_RANK_TESTS'
+RANK_TESTS = _HERE / 'test_ranks.py'
+
+
 def pytest_collection_modifyitems(config, items):
     e2e = [item for item in items if _HERE in Path(str(item.fspath)).parents]
     for item in e2e:
         item.add_marker(pytest.mark.e2e)
     others = [item for item in items if item not in set(e2e)]
+    where = os.environ.get(RANK_TESTS_ENV, '')
+    if where not in ('', 'first', 'last'):
+        raise pytest.UsageError(f'{RANK_TESTS_ENV}={where!r}: first, last, or unset')
+    if where:
+        rank_tests = [item for item in e2e if Path(str(item.fspath)) == RANK_TESTS]
+        rest = [item for item in e2e if Path(str(item.fspath)) != RANK_TESTS]
+        e2e = rank_tests + rest if where == 'first' else rest + rank_tests
     items[:] = others + e2e
 
 
@@ -39,6 +55,7 @@ def cpu_path():
 
     from lmdeploy_guided_spec import cpu
     from lmdeploy_guided_spec.cpu import hook
+    from lmdeploy_guided_spec.testing import kill_children_at_exit
     if not hook.is_installed():
         # lmdeploy's engine and rank processes reach the CPU path through the hook; the tests do not install it
         pytest.fail(f"the CPU path's hook is not installed ({hook.pth_path()}); to fix: {sys.executable} -m "
@@ -46,6 +63,8 @@ def cpu_path():
     cpu.activate()
     # several engines live in this process: see serialize_forwards
     serialize_forwards()
+    # the rank processes of pipelines with several ranks end with a test run stopped by SIGTERM
+    kill_children_at_exit()
     return cpu
 
 

@@ -29,15 +29,20 @@ from e2e_helpers import (
     banned_tokens_and_dead_ends,
     check_valid,
     environ,
+    forget_at_exit,
     free_port,
     gen_config,
     generate,
+    kill_at_exit,
     response_format,
     start_server,
     stop_server,
 )
 
 from lmdeploy_guided_spec.cpu import ranks
+
+# the session's cached pipelines go before these checks start engines with several rank processes each: memory
+pytestmark = pytest.mark.usefixtures('no_session_pipelines')
 
 NUM_SPEC_TOKENS = 3
 ITEM = {'type': 'object', 'properties': {'sku': {'type': 'string', 'maxLength': 8},
@@ -482,9 +487,12 @@ class DPEngines:
         import threading
         env = {**(env or {}), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1', 'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
         with environ(env):
+            # a session of its own, killed with its rank processes if this process gets SIGTERM before close()
+            # (a stopped test run left it running for 44 minutes)
             self.rank_1 = subprocess.Popen([sys.executable, '-c', _RANK_1, os.path.dirname(__file__), target,
                                             method or '', draft or ''], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, text=True)
+                                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+            kill_at_exit(self.rank_1)
             try:
                 self.pipe = _pipeline(target, tp=2, dp=2, dp_rank=0, method=method, draft=draft)
             except BaseException:
@@ -535,6 +543,7 @@ class DPEngines:
                 self.rank_1.kill()
                 self.rank_1.wait()
                 code = 'killed after 120 s'
+            forget_at_exit(self.rank_1)
         assert code == 0, f'dp rank 1 ended with {code}'
 
 

@@ -58,3 +58,39 @@ def test_a_process_group_ends_with_the_process_that_started_it(how):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# a process whose child is a multiprocessing one (as lmdeploy's multiprocess executor starts its rank processes, in
+# the process group of their parent): it asks for its children to end with it, prints the child's pid and waits
+CHILDREN_SCRIPT = r'''
+import multiprocessing, time
+from lmdeploy_guided_spec.testing import kill_children_at_exit
+if __name__ == '__main__':
+    child = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(300, ))
+    child.start()
+    kill_children_at_exit()
+    print(child.pid, flush=True)
+    time.sleep(300)
+'''
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads /proc')
+def test_multiprocessing_children_end_with_the_process_that_got_sigterm(tmp_path):
+    """A test run stopped by SIGTERM while a pipeline with several ranks was up left a rank process running (its
+    parent gone) for 44 minutes."""
+    script = tmp_path / 'children.py'
+    script.write_text(CHILDREN_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        assert not _gone(child)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert _wait_gone([child]), child
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and not _gone(child):
+            os.kill(child, signal.SIGKILL)
