@@ -1363,7 +1363,8 @@ async def run_entry_check(func: Callable[..., Any], *args: Any,
 
     A request that goes away leaves its check: where ``disconnected`` (a server's ``Request.is_disconnected``,
     asked every :data:`DISCONNECT_POLL_S` s while the check is not answered) says so, this raises
-    :class:`CheckAbandoned`, and where the awaiting task is cancelled, the cancellation goes on. Either way the
+    :class:`CheckAbandoned` (a ``disconnected`` that raises is logged and not asked again: the request waits for its
+    answer), and where the awaiting task is cancelled, the cancellation goes on. Either way the
     thread stops waiting at once, and a check nobody else waits for is dropped or stopped: requests whose clients
     closed their connections held the queue of grammars slow to parse for the whole limit, and live clients were
     refused with HTTP 429 meanwhile.
@@ -1378,7 +1379,16 @@ async def run_entry_check(func: Callable[..., Any], *args: Any,
             await asyncio.wait((future,))
         while not future.done():
             await asyncio.wait((future,), timeout=DISCONNECT_POLL_S)
-            if not future.done() and await disconnected():
+            if future.done():
+                break
+            try:
+                gone = await disconnected()
+            except Exception:  # noqa: BLE001 - the server's probe failed, not the request: it waits for its answer
+                logger.warning('asking whether the client of an entry check disconnected failed; the check waits '
+                               'for its answer without asking again', exc_info=True)
+                await asyncio.wait((future,))
+                break
+            if gone:
                 raise CheckAbandoned('the client disconnected before its grammar was checked')
     finally:
         if not future.done():  # (a cancelled wait leaves the future to the thread, which ends at once now)

@@ -3,6 +3,7 @@ caller's thread never waits for a compile. Real Llama-3.2 tokenizer, real xgramm
 import concurrent.futures
 import itertools
 import json
+import logging
 import os
 import re
 import select
@@ -27,6 +28,7 @@ from lmdeploy_guided_spec import (
 )
 from lmdeploy_guided_spec.compile import (
     COMPILE_TIMEOUT_ENV,
+    DISCONNECT_POLL_S,
     MASK_LIMIT_ENV,
     MATCHER_LIMIT_ENV,
     SLOW_CONVERSION_COST,
@@ -723,6 +725,28 @@ def test_an_entry_check_ends_when_its_client_goes(monkeypatch):
         return left
 
     assert asyncio.run(main()) < 2
+
+
+def test_an_entry_check_whose_disconnect_probe_fails_is_answered(caplog):
+    """A ``disconnected`` that raises (the server's probe of the connection failed, not the request) leaves the
+    request waiting for its answer, without asking again, and says so in the log: the request failed with HTTP 500
+    before."""
+    import asyncio
+    asked = 0
+
+    async def disconnected():
+        nonlocal asked
+        asked += 1
+        raise RuntimeError('the probe broke')
+
+    def slow_sum(values):
+        time.sleep(3 * DISCONNECT_POLL_S)
+        return sum(values)
+
+    with caplog.at_level(logging.WARNING, logger='lmdeploy_guided_spec'):
+        assert asyncio.run(run_entry_check(slow_sum, [1, 2], disconnected=disconnected)) == 3
+    assert asked == 1
+    assert 'the probe broke' in caplog.text and 'disconnect' in caplog.text
 
 
 def _starting(service: GrammarCompileService, slot: int) -> bool:
