@@ -10,9 +10,11 @@ is not run again.
 
 ``<!-- docs-test: MODE -->`` before a block changes how the next block runs:
 
-- ``server``: the block starts a server that runs until the session ends; it is started in the background and
-  the test waits until ``/v1/models`` answers. The port of ``--server-port`` is replaced by a free one, and so is
-  ``localhost:PORT`` in the blocks after it, so that runs on a shared machine do not collide;
+- ``server``: the block starts a server that runs until the examples end (the first test that is not an example
+  stops it: an idle server holds 1.5 GB and some CPU, which the end-to-end tests after the examples need); it is
+  started in the background and the test waits until ``/v1/models`` answers. The port of ``--server-port`` is
+  replaced by a free one, and so is ``localhost:PORT`` in the blocks after it, so that runs on a shared machine do
+  not collide;
 - ``sandbox``: the block runs on a copy of the installed lmdeploy (its directories, its Python files and the
   series' state copied, links to its other files), found first through ``PYTHONPATH``: ``apply`` and ``revert``
   change the copy. The block does not run unless lmdeploy resolves to the copy.
@@ -38,7 +40,7 @@ from sybil import Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
-from lmdeploy_guided_spec.testing import free_port, kill_at_exit
+from lmdeploy_guided_spec.testing import forget_at_exit, free_port, kill_at_exit
 
 ROOT = Path(__file__).parent
 #: The most one example may take (the demo builds SmolLM2 on a fresh machine).
@@ -154,7 +156,8 @@ class DocsRunner:
         return site
 
     def close(self) -> None:
-        """Stop the servers with their engine processes (each server leads its own process group)."""
+        """Stop the servers with their engine processes (each server leads its own process group). A server example
+        run again after this starts its server again."""
         running = [proc for proc, _ in self.servers if proc.poll() is None]
         for proc in running:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -165,16 +168,35 @@ class DocsRunner:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        for proc, _ in self.servers:
+            forget_at_exit(proc)
+        self.servers.clear()
+        self.ports.clear()
+        for key in [key for key in self.results if key[0].endswith(':server')]:
+            del self.results[key]
+
+
+#: the session's runner, while it lives
+_runner: DocsRunner | None = None
 
 
 @pytest.fixture(scope='session')
 def docs_runner():
+    global _runner
     with tempfile.TemporaryDirectory(prefix='docs-examples-') as tmp:
-        runner = DocsRunner(Path(tmp))
+        _runner = DocsRunner(Path(tmp))
         try:
-            yield runner
+            yield _runner
         finally:
-            runner.close()
+            _runner.close()
+            _runner = None
+
+
+def pytest_runtest_setup(item):
+    # the examples run together (tests/e2e/conftest.py puts the end-to-end tests after every other test): the first
+    # test that is not an example stops the servers they started
+    if _runner is not None and _runner.servers and Path(str(item.fspath)).suffix != '.md':
+        _runner.close()
 
 
 def _mode(example) -> str | None:
