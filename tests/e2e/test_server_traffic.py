@@ -376,6 +376,36 @@ def test_completions_serve_logprobs(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+def test_a_streamed_list_of_prompts_names_each_choice(server):
+    """/v1/completions with a list of prompts, streamed: each chunk's choice carries the index of its prompt, as
+    without a stream, so that an OpenAI client can tell the completions apart; the texts and finish reasons per
+    index are those of the answer without a stream (greedy), guided or not. lmdeploy gave every chunk ``index: 0``:
+    the completions ran together into one."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    prompts = ['A person:', 'Another person:', 'A third one:']
+    for extra in ({'ignore_eos': True}, {'response_format': response_format('json_schema')}):
+        kwargs = dict(model=model, prompt=prompts, max_tokens=24 if 'ignore_eos' in extra else 96, temperature=0,
+                      extra_body=extra)
+        whole = client.completions.create(**kwargs).choices
+        assert [c.index for c in whole] == [0, 1, 2], whole
+        texts, reasons = {}, {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, '') + choice.text
+                if choice.finish_reason is not None:
+                    reasons[choice.index] = choice.finish_reason
+        assert sorted(texts) == [0, 1, 2], texts
+        assert [texts[i] for i in range(3)] == [c.text for c in whole], (texts, whole)
+        assert [reasons.get(i) for i in range(3)] == [c.finish_reason for c in whole], (reasons, whole)
+        if 'response_format' in extra:
+            for choice in whole:
+                assert choice.finish_reason == 'stop', choice
+                check_valid(choice.text, extra['response_format'])
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
 def test_prompts_at_the_edges(server):
     """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
     server error, null sampling fields are their defaults, a token-id prompt on /v1/completions is HTTP 400 saying
