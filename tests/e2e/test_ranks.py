@@ -16,6 +16,7 @@ printed (``-s``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -496,7 +497,7 @@ class DPEngines:
             try:
                 self.pipe = _pipeline(target, tp=2, dp=2, dp_rank=0, method=method, draft=draft)
             except BaseException:
-                self.rank_1.kill()
+                self._kill_rank_1()
                 raise
         lines = []
         for line in self.rank_1.stdout:
@@ -540,11 +541,19 @@ class DPEngines:
                 code = self.rank_1.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 # never leave an engine behind on a 2-core machine that runs the next tests
-                self.rank_1.kill()
-                self.rank_1.wait()
+                self._kill_rank_1()
                 code = 'killed after 120 s'
             forget_at_exit(self.rank_1)
         assert code == 0, f'dp rank 1 ended with {code}'
+
+    def _kill_rank_1(self) -> None:
+        """Kill dp rank 1 with its rank processes: it leads a process group of its own, and a kill of the leader
+        alone leaves its rank processes running."""
+        import signal
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.rank_1.pid, signal.SIGKILL)
+        self.rank_1.wait()
+        forget_at_exit(self.rank_1)
 
 
 # a draft-model method and the draft-free one: each dp=2 start costs minutes on two cores, and deepseek_mtp and
