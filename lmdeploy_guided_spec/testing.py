@@ -73,11 +73,42 @@ _kill_at_exit_installed = False
 _kill_children = False
 
 
+def session_processes(session: int) -> list[int]:
+    """The processes of session ``session`` (Linux ``/proc``; none elsewhere): a server started with
+    ``start_new_session=True`` and everything it started, also in process groups of their own (lmdeploy's dp
+    launcher puts each dp rank's api_server in one)."""
+    try:
+        entries = os.listdir('/proc')
+    except OSError:
+        return []
+    pids = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            # the fields after the command's name, which may hold spaces and parentheses: state ppid pgrp session
+            fields = Path(f'/proc/{entry}/stat').read_text().rsplit(')', 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session and fields[0] != 'Z':
+            pids.append(int(entry))
+    return pids
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of session ``session``."""
+    for pid in session_processes(session):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _kill_groups() -> None:
     for pid, proc in list(_groups.items()):
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+            # the processes it started in process groups of their own, in its session
+            kill_session(pid)
         _groups.pop(pid, None)
 
 
@@ -111,10 +142,11 @@ def _install_kill_at_exit() -> None:
 
 def kill_at_exit(proc) -> None:
     """Kill the process group ``proc`` leads (a ``subprocess.Popen`` started with ``start_new_session=True``: a
-    server with its engine processes) when this process gets SIGTERM or exits while ``proc`` runs. A test run stopped
-    by a time limit (``timeout`` sends SIGTERM) skips the tests' ``finally`` blocks: an api_server and its engine
-    process went on decoding for 45 minutes beside the next run. A SIGTERM handler installed before the first call
-    still runs, after the kill."""
+    server with its engine processes), and the rest of its session (lmdeploy's dp launcher starts each dp rank's
+    server in a process group of its own), when this process gets SIGTERM or exits while ``proc`` runs. A test run
+    stopped by a time limit (``timeout`` sends SIGTERM) skips the tests' ``finally`` blocks: an api_server and its
+    engine process went on decoding for 45 minutes beside the next run. A SIGTERM handler installed before the first
+    call still runs, after the kill."""
     _install_kill_at_exit()
     _groups[proc.pid] = proc
 

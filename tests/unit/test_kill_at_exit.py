@@ -1,4 +1,5 @@
-"""testing.kill_at_exit: a test run stopped by SIGTERM, or one that exits, leaves no server process group running."""
+"""testing.kill_at_exit: a test run stopped by SIGTERM, or one that exits, leaves no server process group or session
+running."""
 import os
 import signal
 import subprocess
@@ -9,15 +10,16 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-# a process that starts a process group of two (a leader and its child, as a server and its engine process), hands it
-# to kill_at_exit, prints the two pids, and then waits or exits as its argument says
+# a process that starts a session (a leader and its child, as a server and its engine process, and a child in a process
+# group of its own, as lmdeploy's dp launcher starts each dp rank's server), hands it to kill_at_exit, prints the three
+# pids, and then waits or exits as its argument says
 SCRIPT = r'''
 import subprocess, sys, time
 from lmdeploy_guided_spec.testing import kill_at_exit
-group = subprocess.Popen(['bash', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
+group = subprocess.Popen(['bash', '-c', 'sleep 300 & echo $!; set -m; sleep 300 & echo $!; wait'],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
 kill_at_exit(group)
-print(group.pid, group.stdout.readline().strip(), flush=True)
+print(group.pid, group.stdout.readline().strip(), group.stdout.readline().strip(), flush=True)
 if sys.argv[1] != 'exit':
     time.sleep(300)
 '''
@@ -46,7 +48,8 @@ def test_a_process_group_ends_with_the_process_that_started_it(how):
     proc = subprocess.Popen([sys.executable, '-c', SCRIPT, how], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in proc.stdout.readline().split()]
-        assert len(pids) == 2
+        assert len(pids) == 3
+        assert os.getpgid(pids[2]) == pids[2] != pids[0] and os.getsid(pids[2]) == pids[0]
         if how == 'sigterm':
             assert not any(_gone(pid) for pid in pids)
             os.kill(proc.pid, signal.SIGTERM)
