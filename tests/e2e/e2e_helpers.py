@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 
-from lmdeploy_guided_spec.testing import environ, forget_at_exit, free_port, kill_at_exit
+from lmdeploy_guided_spec.testing import environ, forget_at_exit, free_port, kill_at_exit, kill_session
 
 NUM_SPEC_TOKENS = 3
 STARTUP_S = 300
@@ -231,11 +231,11 @@ PROMPTS = [
 
 
 # -- api_server ----------------------------------------------------------------------------------------------------
-def spawn_server(args: list[str], log, max_batch_size: int = 4,
-                 model: str = 'tiny-llama') -> tuple[subprocess.Popen, int]:
+def spawn_server(args: list[str], log, max_batch_size: int = 4, model: str = 'tiny-llama',
+                 port: int | None = None) -> tuple[subprocess.Popen, int]:
     """``lmdeploy serve api_server`` for ``model`` (a name of the CPU path's models) on the CPU path, in a new
-    session, its output in ``log``."""
-    port = free_port()
+    session, its output in ``log``, on 127.0.0.1 at ``port`` (a free one where None)."""
+    port = port or free_port()
     cmd = [sys.executable, '-m', 'lmdeploy_guided_spec.cpu', 'serve', model, '--backend', 'pytorch', *args,
            '--server-name', '127.0.0.1', '--server-port', str(port), '--max-batch-size', str(max_batch_size),
            '--cache-max-entry-count', '0.1', '--log-level', 'WARNING']
@@ -246,18 +246,24 @@ def spawn_server(args: list[str], log, max_batch_size: int = 4,
     return proc, port
 
 
-def start_server(args: list[str], log, max_batch_size: int = 4,
-                 model: str = 'tiny-llama') -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], log, max_batch_size: int = 4, model: str = 'tiny-llama',
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
     """Spawn the api_server and wait until it answers ``/v1/models``."""
-    proc, port = spawn_server(args, log, max_batch_size, model)
+    proc, port = spawn_server(args, log, max_batch_size, model, port)
     base = f'http://127.0.0.1:{port}'
+    return proc, wait_for_server(proc, base, log)
+
+
+def wait_for_server(proc: subprocess.Popen, base: str, log) -> str:
+    """Wait until the api_server ``proc`` started answers ``/v1/models`` at ``base``; fail (stopping it) if it exits
+    or is not up within ``STARTUP_S``."""
     deadline = time.monotonic() + STARTUP_S
     while True:
         if proc.poll() is not None:
             pytest.fail(f'api_server exited with {proc.returncode}:\n{log.read_text()[-4000:]}')
         try:
             urllib.request.urlopen(f'{base}/v1/models', timeout=2)
-            return proc, base
+            return base
         except (OSError, http.client.HTTPException):
             if time.monotonic() > deadline:
                 stop_server(proc)
@@ -266,13 +272,16 @@ def start_server(args: list[str], log, max_batch_size: int = 4,
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    # the server and the engine process it spawned share the new session's process group
+    # the server and the engine process it spawned share the new session's process group (lmdeploy's dp launcher
+    # stops its api_servers, in groups of their own, when it gets SIGTERM)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=40)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    # whatever is left of its session
+    kill_session(proc.pid)
     forget_at_exit(proc)
 
 

@@ -8,7 +8,8 @@ requests no rank process holds grammar state for a finished session (asked of ea
 
 ``dp=2`` (two engines, one rank each, MLP tensor-parallel across them), with ``eagle3`` and ``grammar``: one rank idle
 (running lmdeploy's dummy forwards) while the other serves guided and unguided requests, then both serving at once,
-each its own mix; greedy output equals one rank's guided decoding without speculation.
+each its own mix; greedy output equals one rank's guided decoding without speculation. The same behind
+``lmdeploy serve api_server --tp 2 --dp 2`` (one server per dp rank, on the ``--server-name`` asked for).
 
 Each test starts its engines itself (their ranks are processes of their own) and closes them; the start-up time is
 printed (``-s``).
@@ -38,6 +39,7 @@ from e2e_helpers import (
     response_format,
     start_server,
     stop_server,
+    wait_for_server,
 )
 
 from lmdeploy_guided_spec.cpu import ranks
@@ -602,12 +604,95 @@ def test_dp2_idle_rank_then_both_serve(engines, method, tmp_path):
     finally:
         dp.close()
     if method is not None:
-        logs = ranks.read_draft_logs(tmp_path)
-        drafts = {r: [rec for rec in recs if rec['kind'] == 'draft'] for r, recs in logs.items()}
-        idle = [rec for rec in logs[1][:idle_steps] if rec['kind'] == 'draft']
-        assert idle and all(rec['dummy'] for rec in idle), 'dp rank 1 ran other than dummy steps while idle'
-        for r in (0, 1):
-            assert any(not rec['dummy'] for rec in drafts.get(r, [])), f'dp rank {r} ran no speculative step'
-        print(f'[dp=2 {method}] speculative (dummy) steps: ' + ', '.join(
-            f'dp rank {r} {sum(not rec["dummy"] for rec in drafts[r])} ({sum(rec["dummy"] for rec in drafts[r])})'
-            for r in (0, 1)))
+        _check_dp_steps(tmp_path, idle_steps, f'dp=2 {method}')
+
+
+def _check_dp_steps(directory, idle_steps: int, name: str) -> None:
+    """The draft logs in ``directory`` of a ``dp=2`` run whose dp rank 1 idled for its first ``idle_steps`` records:
+    dp rank 1 ran dummy steps only while idle, and each dp rank speculative steps of its own."""
+    logs = ranks.read_draft_logs(directory)
+    drafts = {r: [rec for rec in recs if rec['kind'] == 'draft'] for r, recs in logs.items()}
+    idle = [rec for rec in logs[1][:idle_steps] if rec['kind'] == 'draft']
+    assert idle and all(rec['dummy'] for rec in idle), 'dp rank 1 ran other than dummy steps while idle'
+    for r in (0, 1):
+        assert any(not rec['dummy'] for rec in drafts.get(r, [])), f'dp rank {r} ran no speculative step'
+    print(f'[{name}] speculative (dummy) steps: ' + ', '.join(
+        f'dp rank {r} {sum(not rec["dummy"] for rec in drafts[r])} ({sum(rec["dummy"] for rec in drafts[r])})'
+        for r in (0, 1)))
+
+
+def _machine_addresses() -> set[str]:
+    """This machine's IPv4 addresses other than loopback ones (none where it has only those)."""
+    import socket
+    addresses = set()
+    with contextlib.suppress(OSError):
+        addresses |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(('192.0.2.1', 9))  # nothing is sent: the kernel picks the address of the default route
+        addresses.add(s.getsockname()[0])
+    return {a for a in addresses if not a.startswith('127.')}
+
+
+def _consecutive_free_ports() -> int:
+    """A free port whose successor is free too (one api_server per dp rank, on ``--server-port`` and the next)."""
+    import socket
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port + 1))
+                return port
+            except OSError:
+                continue
+
+
+@pytest.mark.one_method({'0.18': ['eagle3'], '0.14': ['grammar']})
+@pytest.mark.parametrize('method', ['eagle3', 'grammar'])
+def test_dp2_api_server(cpu_path, method, tmp_path):
+    """``lmdeploy serve api_server --tp 2 --dp 2 --server-name 127.0.0.1`` starts one api_server per dp rank, on
+    ``--server-port`` and the port after it, both on the address asked for (before 0053/0066 lmdeploy bound them to
+    the machine's address: reachable from other machines and not on 127.0.0.1); the machine's other addresses refuse.
+    Traffic through the openai client to dp rank 0 alone while dp rank 1 idles (lmdeploy's dummy forwards), then to
+    both at once, with clients that disconnect mid-stream: guided output validates, both servers stay up, dp rank 1
+    ran dummy steps only while idle and speculative steps of its own after."""
+    log, drafts = tmp_path / 'server.log', tmp_path / 'drafts'
+    drafts.mkdir()
+    from lmdeploy_guided_spec.cpu import models
+    target, draft = METHODS[method]
+    args = ['--tp', '2', '--dp', '2', '--distributed-executor-backend', 'mp', '--speculative-algorithm', method,
+            '--speculative-num-draft-tokens', str(NUM_SPEC_TOKENS)]
+    if draft:
+        args += ['--speculative-draft-model', models.resolve(draft)]
+    port = _consecutive_free_ports()
+    env = {ranks.DRAFT_LOG_ENV: str(drafts), 'LMDEPLOY_DP_MASTER_ADDR': '127.0.0.1',
+           'LMDEPLOY_DP_MASTER_PORT': str(free_port())}
+    start = time.perf_counter()
+    with environ(env):
+        proc, base = start_server(args, log, max_batch_size=8, model=target, port=port)
+    try:
+        base_1 = wait_for_server(proc, f'http://127.0.0.1:{port + 1}', log)
+        print(f'\n[dp=2 server {method}] start-up {time.perf_counter() - start:.1f} s')
+        import socket
+        for address in sorted(_machine_addresses()):
+            for p in (port, port + 1):
+                with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+                    s.settimeout(5)
+                    s.connect((address, p))
+        start = time.perf_counter()
+        traffic.check_round(asyncio.run(traffic.mixed_round(base, 0, 8)))
+        finished = asyncio.run(traffic.disconnects(base, 2))
+        traffic.check_round(finished)
+        idle_steps = len(ranks.read_draft_logs(drafts).get(1, []))
+
+        async def both():
+            return await asyncio.gather(traffic.mixed_round(base, 1, 8), traffic.mixed_round(base_1, 2, 8),
+                                        traffic.disconnects(base_1, 2))
+        round_0, round_1, finished = asyncio.run(both())
+        for results in (round_0, round_1, finished):
+            traffic.check_round(results)
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert traffic.health(base) == 200 and traffic.health(base_1) == 200
+        print(f'[dp=2 server {method}] dp rank 0 alone, then both: {time.perf_counter() - start:.1f} s')
+    finally:
+        stop_server(proc)
+    _check_dp_steps(drafts, idle_steps, f'dp=2 server {method}')
