@@ -237,7 +237,9 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
     to free: ``/abort_request`` with its ``session_id`` ends it at once with finish_reason 'abort'. Before, the abort
     was kept and the request ended only once an instance freed (40 s and more behind long requests). The long
     requests run on meanwhile, and the server serves the next request. (The waiting request is unguided: a guided
-    one's entry check could still run when the abort comes, which another test covers.)"""
+    one's entry check could still run when the abort comes, which another test covers.) A streamed request whose
+    client gives up while it waits counts as failed: before 0054/0067 it was never counted as ended, and the
+    ``lmdeploy:num_api_requests_waiting`` gauge stayed at 1 for ever."""
     log = tmp_path / 'server.log'
     proc, base = start_server(['--enable-abort-handling'], log, max_batch_size=2)
     try:
@@ -274,6 +276,14 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
             except concurrent.futures.TimeoutError:
                 finished = 'still waiting after 20 s'
             took = time.perf_counter() - start
+            # a client that gives up while its streamed request waits (its read timeout, 1.5 s): the server sees it
+            # go (a request without a stream waits on and runs)
+            impatient = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=1.5, max_retries=0)
+            with pytest.raises(openai.APITimeoutError):
+                for _ in impatient.chat.completions.create(
+                        model=model, messages=[{'role': 'user', 'content': 'Which year?'}], max_tokens=16,
+                        stream=True):
+                    pass
             long_ones_ran_on = not any(r.done() for r in running)
             assert _abort(base, abort_all=True) == 200
             assert long_ones_ran_on, 'the long requests ended too soon: make them longer'
@@ -282,8 +292,26 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
         choice = ask(5_100, response_format=YEAR)
         assert choice.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', choice.message.content), choice
         assert proc.poll() is None, log.read_text()[-4000:]
+        # nothing waits now: the request whose client gave up counts as failed, not as waiting for ever (the server
+        # writes its gauges every 10 s)
+        deadline, gauges = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            gauges = _gauges(base)
+            if gauges.get('lmdeploy:num_api_requests_waiting') == 0 and gauges.get('lmdeploy:num_requests_failed'):
+                break
+            time.sleep(1)
+        assert gauges.get('lmdeploy:num_api_requests_waiting') == 0, gauges
+        # the waiting request aborted, the two long ones aborted, the one whose client gave up
+        assert gauges.get('lmdeploy:num_requests_failed') == 4, gauges
     finally:
         stop_server(proc)
+
+
+def _gauges(base: str) -> dict[str, float]:
+    """The api_server's Prometheus gauges (``/metrics``) by name, labels left out."""
+    text = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
+    return {line.split('{')[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith('lmdeploy:num_')}
 
 
 def _refused(client, model, messages, fmt, reason):

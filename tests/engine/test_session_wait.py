@@ -52,3 +52,40 @@ def test_a_client_that_leaves_as_its_abort_is_answered_returns_every_instance():
             assert handle is held
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_while_its_request_waits_leaves_no_session_behind():
+    """Every instance busy, a request waits for one and its client goes away (the generator is closed, the task
+    cancelled): the session is released as after any request (unbound, removed from the manager where the request
+    asked for it), and the pool is whole. The cancellation came out of the wait before ``request_handle``'s cleanup:
+    the session stayed in the manager, bound, one per client that gave up in a queue."""
+    from lmdeploy.serve.managers.session_manager import SessionManager
+
+    async def main():
+        mgr = SessionManager()
+        mgr.build_request_handle_pool(_Engine(), 1)
+        held = await mgr.request_handle_pool.get()
+        for how in ('cancel', 'aclose'):
+            session = mgr.get()
+            session.bind_request()
+            session._remove_on_request_exit = True  # as AsyncEngine.generate asks
+
+            async def generate(session):
+                async with session.request_handle(abortable=True) as handle:
+                    yield handle
+
+            gen = generate(session)
+            first = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.05)
+            assert not first.done(), 'the request did not wait for the held instance'
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            if how == 'aclose':
+                await gen.aclose()
+            assert session.session_id not in mgr.sessions, how
+            assert not session._request_bound and session._handle is None, how
+        mgr.request_handle_pool.put(held)
+        assert mgr.request_handle_pool.pool.qsize() == 1
+
+    asyncio.run(main())
