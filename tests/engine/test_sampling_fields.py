@@ -14,7 +14,7 @@ N = K + 1
 
 # batch-wide fields: the same for every row, passed through unchanged
 BATCH_WIDE = {'max_top_k', 'min_top_p', 'max_num_logprobs', 'batch_size', 'session_to_cleanup',
-              'max_repetition_ngram_size'}
+              'max_repetition_ngram_size', 'has_min_new_tokens'}
 
 
 def _full_inputs():
@@ -45,6 +45,7 @@ def _full_inputs():
         repetition_ngram_size=torch.tensor([2, 3, 4]),
         repetition_ngram_threshold=torch.tensor([1, 1, 2]),
         max_repetition_ngram_size=4,
+        has_min_new_tokens=True,
     )
 
 
