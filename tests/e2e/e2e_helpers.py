@@ -271,6 +271,14 @@ def wait_for_server(proc: subprocess.Popen, base: str, log) -> str:
             time.sleep(1)
 
 
+def metric(base: str, name: str) -> float:
+    """The value of lmdeploy's Prometheus metric ``lmdeploy:<name>`` on the api_server at ``base`` (``/metrics``)."""
+    text = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
+    found = re.search(rf'^lmdeploy:{name}\{{[^}}]*\}} (\S+)$', text, re.M)
+    assert found, f'{name} not in the metrics'
+    return float(found.group(1))
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     # the server and the engine process it spawned share the new session's process group (lmdeploy's dp launcher
     # stops its api_servers, in groups of their own, when it gets SIGTERM)

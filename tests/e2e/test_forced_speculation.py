@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import urllib.request
 
 import openai
 import pytest
@@ -23,6 +22,7 @@ from e2e_helpers import (
     draft_free_pipeline,
     gen_config,
     generate,
+    metric,
     model_agent,
     spawn_server,
     start_server,
@@ -206,10 +206,9 @@ def test_api_server(cpu_path, vllm_example, tmp_path, method):
                                                max_tokens=10, temperature=0).choices[0]
             assert choice.text in texts and choice.finish_reason == 'stop', choice
         # the drafts the grammar forced are counted in lmdeploy's Prometheus metrics, next to drafted and accepted
-        metrics = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
-        forced = re.search(r'^lmdeploy:spec_decode_num_forced_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
-        drafted = re.search(r'^lmdeploy:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', metrics, re.M)
-        assert forced and drafted and 0 < float(forced.group(1)) <= float(drafted.group(1)), metrics[-3000:]
+        forced = metric(base, 'spec_decode_num_forced_tokens_total')
+        drafted = metric(base, 'spec_decode_num_draft_tokens_total')
+        assert 0 < forced <= drafted, (forced, drafted)
         assert proc.poll() is None
     finally:
         stop_server(proc)

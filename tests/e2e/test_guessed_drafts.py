@@ -6,12 +6,19 @@ the guesses make the drafts. SmolLM2 writes real JSON in a consistent style, whi
 output must equal guided decoding without speculation; guessed drafts must be accepted.
 """
 import importlib.util
-import re
-import urllib.request
 
 import openai
 import pytest
-from e2e_helpers import check_valid, draft_free_pipeline, gen_config, generate, model_agent, start_server, stop_server
+from e2e_helpers import (
+    check_valid,
+    draft_free_pipeline,
+    gen_config,
+    generate,
+    metric,
+    model_agent,
+    start_server,
+    stop_server,
+)
 
 from grammars import ORDER as ITEMS
 
@@ -61,13 +68,6 @@ EXTRACT = [{'role': 'user', 'content': 'Grace Hopper from Arlington ordered a no
                                        'city and the sku as JSON.'}]
 
 
-def _metric(base: str, name: str) -> float:
-    text = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
-    found = re.search(rf'^lmdeploy:{name}\{{[^}}]*\}} (\S+)$', text, re.M)
-    assert found, f'{name} not in the metrics'
-    return float(found.group(1))
-
-
 @pytest.fixture(scope='module')
 def grammar_server(cpu_path, tmp_path_factory):
     log = tmp_path_factory.mktemp('api_server') / 'server.log'
@@ -91,6 +91,6 @@ def test_api_server_guesses_equal_non_speculative(engines, grammar_server):
     assert choice.message.content == reference.text
     if choice.finish_reason == 'stop':
         check_valid(choice.message.content, fmt)
-    accepted = _metric(grammar_server, 'spec_decode_num_accepted_tokens_total')
-    forced = _metric(grammar_server, 'spec_decode_num_forced_tokens_total')
+    accepted = metric(grammar_server, 'spec_decode_num_accepted_tokens_total')
+    forced = metric(grammar_server, 'spec_decode_num_forced_tokens_total')
     assert accepted > forced, f'{accepted} accepted drafts, {forced} forced: no guess was accepted'

@@ -23,7 +23,7 @@ import openai
 import pytest
 import random_traffic
 import server_traffic as traffic
-from e2e_helpers import PERSON, YEAR, check_valid, response_format, start_server, stop_server
+from e2e_helpers import PERSON, YEAR, check_valid, metric, response_format, start_server, stop_server
 
 from grammars import wide_object
 
@@ -294,24 +294,17 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
         assert proc.poll() is None, log.read_text()[-4000:]
         # nothing waits now: the request whose client gave up counts as failed, not as waiting for ever (the server
         # writes its gauges every 10 s)
-        deadline, gauges = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:
-            gauges = _gauges(base)
-            if gauges.get('lmdeploy:num_api_requests_waiting') == 0 and gauges.get('lmdeploy:num_requests_failed'):
+        deadline = time.monotonic() + 30
+        while True:
+            waiting, failed = metric(base, 'num_api_requests_waiting'), metric(base, 'num_requests_failed')
+            if (waiting == 0 and failed) or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        assert gauges.get('lmdeploy:num_api_requests_waiting') == 0, gauges
+        assert waiting == 0, (waiting, failed)
         # the waiting request aborted, the two long ones aborted, the one whose client gave up
-        assert gauges.get('lmdeploy:num_requests_failed') == 4, gauges
+        assert failed == 4, (waiting, failed)
     finally:
         stop_server(proc)
-
-
-def _gauges(base: str) -> dict[str, float]:
-    """The api_server's Prometheus gauges (``/metrics``) by name, labels left out."""
-    text = urllib.request.urlopen(f'{base}/metrics', timeout=10).read().decode()
-    return {line.split('{')[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith('lmdeploy:num_')}
 
 
 def _refused(client, model, messages, fmt, reason):
