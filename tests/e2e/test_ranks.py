@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -623,7 +624,6 @@ def _check_dp_steps(directory, idle_steps: int, name: str) -> None:
 
 def _machine_addresses() -> set[str]:
     """This machine's IPv4 addresses other than loopback ones (none where it has only those)."""
-    import socket
     addresses = set()
     with contextlib.suppress(OSError):
         addresses |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
@@ -635,7 +635,6 @@ def _machine_addresses() -> set[str]:
 
 def _consecutive_free_ports() -> int:
     """A free port whose successor is free too (one api_server per dp rank, on ``--server-port`` and the next)."""
-    import socket
     while True:
         port = free_port()
         with socket.socket() as s:
@@ -672,7 +671,6 @@ def test_dp2_api_server(cpu_path, method, tmp_path):
     try:
         base_1 = wait_for_server(proc, f'http://127.0.0.1:{port + 1}', log)
         print(f'\n[dp=2 server {method}] start-up {time.perf_counter() - start:.1f} s')
-        import socket
         for address in sorted(_machine_addresses()):
             for p in (port, port + 1):
                 with socket.socket() as s, pytest.raises(ConnectionRefusedError):
