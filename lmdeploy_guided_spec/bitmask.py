@@ -16,7 +16,7 @@ from .ordering import to_device
 __all__ = [
     'allocate_bitmask', 'bitmask_words', 'unpack_bitmask', 'pack_bool_mask', 'apply_bitmask_', 'take_rows',
     'uint32_words', 'no_token_allowed', 'token_allowed', 'keep_grammar_tokens_', 'take_where_empty_',
-    'ALL_ALLOWED'
+    'guard_unsampleable_', 'ALL_ALLOWED'
 ]
 
 #: The value of a bitmask word that allows all 32 of its tokens.
@@ -198,13 +198,37 @@ def keep_grammar_tokens_(logits: torch.Tensor, bitmask: torch.Tensor, *,
     tokens to ``-inf``: bad words, the stop tokens of a request that ignores them, an n-gram stop. Where they and the
     grammar leave a row nothing, the grammar wins; sampling a row without a finite logit fails the whole batch.
     Three passes over the logits and no device synchronization: call it only where a processor may have banned
-    tokens.
+    tokens. With ``rows``, only those rows are guided: the others keep what they have, an empty row too (a row
+    without a grammar that processors left nothing is the caller's to fail, see :func:`guard_unsampleable_`; it
+    was given every token, and sampled from the vocabulary at random).
     """
-    return take_where_empty_(logits, apply_bitmask_(torch.zeros_like(logits), bitmask, rows=rows))
+    return take_where_empty_(logits, apply_bitmask_(torch.zeros_like(logits), bitmask, rows=rows), rows=rows)
 
 
-def take_where_empty_(logits: torch.Tensor, grammar_only: torch.Tensor) -> torch.Tensor:
+def take_where_empty_(logits: torch.Tensor, grammar_only: torch.Tensor, *,
+                      rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``logits`` without a finite value take the rows of ``grammar_only`` (zeros where the grammar allows
-    a token, ``-inf`` elsewhere); in place, without a device synchronization."""
+    a token, ``-inf`` elsewhere); in place, without a device synchronization. With ``rows``, only those rows
+    (the guided ones) take theirs."""
     emptied = logits.amax(-1, keepdim=True) == float('-inf')
+    if rows is not None:
+        guided = torch.zeros_like(emptied)
+        if len(rows):
+            guided[to_device([int(r) for r in rows], torch.int64, logits.device)] = True
+        emptied &= guided
     return logits.copy_(torch.where(emptied, grammar_only, logits))
+
+
+def guard_unsampleable_(logits: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits`` that cannot be sampled, as a bool tensor ``(rows,)``: a NaN or ``+inf`` anywhere in the
+    row, or no finite value. Those rows are set, in place, to token 0 alone, so that sampling the batch goes on.
+
+    One such row failed the whole batch: ``torch.multinomial`` raises on it (on CUDA a sampling kernel draws from
+    garbage) and greedy ``argmax`` returns an arbitrary token. It comes of a user's logits processor, of bans that
+    leave a row nothing, or of a model's own NaN. The caller fails the requests of the rows returned. Two passes over
+    the logits and no device synchronization.
+    """
+    unsampleable = ~torch.isfinite(logits.amax(-1))  # amax is NaN where the row holds one
+    logits.masked_fill_(unsampleable.unsqueeze(-1), float('-inf'))
+    logits[:, 0].masked_fill_(unsampleable, 0.0)
+    return unsampleable

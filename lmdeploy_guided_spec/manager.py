@@ -251,9 +251,10 @@ class SpecGrammarManager:
         """
         if bitmask is None or not matchers:
             return logits
+        rows = _guided_rows(matchers, num_positions)
         if isinstance(bitmask, SparseRows):
-            return take_where_empty_(logits, bitmask.apply_(torch.zeros_like(logits)))
-        return keep_grammar_tokens_(logits, bitmask, rows=_guided_rows(matchers, num_positions))
+            return take_where_empty_(logits, bitmask.apply_(torch.zeros_like(logits)), rows=rows)
+        return keep_grammar_tokens_(logits, bitmask, rows=rows)
 
     # -- commit -----------------------------------------------------------------------------------------------
     def commit(self, matchers: Matchers, token_ids: torch.Tensor | Sequence, *,

@@ -3,7 +3,18 @@ and the engine go on, and finished sessions leave no grammar state behind."""
 import re
 
 import pytest
-from e2e_helpers import METHODS, PROMPTS, YEAR, check_valid, gen_config, generate, manager, model_agent, response_format
+from e2e_helpers import (
+    METHODS,
+    PROMPTS,
+    YEAR,
+    check_valid,
+    gen_config,
+    generate,
+    manager,
+    method_pipeline,
+    model_agent,
+    response_format,
+)
 
 # (format, what the reason says): the series' wording on lmdeploy 0.14.0, lmdeploy's own entry check's on 0.18.0
 INVALID = [
@@ -54,6 +65,44 @@ def test_an_empty_prompt_fails_alone(engines):
     assert again.finish_reason == 'stop'
     check_valid(again.text, good)
 
+
+
+def _fill(value: float):
+    """A user's logits processor that sets every logit of its request to ``value``."""
+
+    def fill(input_ids, scores):
+        return scores.fill_(value)
+
+    return fill
+
+
+NO_FINITE = 'no finite value'
+
+
+@pytest.mark.parametrize('method', ['non-spec', 'eagle3', 'deepseek_mtp'])
+def test_a_request_without_a_finite_logit_fails_alone(engines, method):
+    """A request whose logits hold a NaN or nothing finite (here a user's logits processor; bans that leave a row
+    nothing, or a model's own NaN, do the same) stopped the engine for every request when sampled ("probability
+    tensor contains either inf, nan or element < 0"), and greedy made up a token. Now that request fails with the
+    reason, greedy or sampled, with speculative decoding or without; beside it a guided row whose tokens the
+    processor banned keeps its grammar's tokens, the other requests finish and the engine serves on."""
+    pipe = method_pipeline(engines, method)
+    for sampling in (False, True):
+        configs = [gen_config(YEAR, sampling=sampling), gen_config(None, sampling=sampling, max_new_tokens=8)]
+        configs += [gen_config(YEAR, sampling=sampling, logits_processors=[_fill(float('-inf'))]),
+                    gen_config(YEAR, sampling=sampling, logits_processors=[_fill(float('nan'))]),
+                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=[_fill(float('nan'))]),
+                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=[_fill(float('-inf'))])]
+        outputs = generate(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(len(configs))], configs)
+        for out in (outputs[0], outputs[2]):
+            assert out.finish_reason == 'stop', (sampling, out)
+            check_valid(out.text, YEAR)
+        assert outputs[1].finish_reason in ('stop', 'length'), (sampling, outputs[1])
+        for out in outputs[3:]:
+            assert out.finish_reason == "error" and NO_FINITE in out.text, (sampling, outputs)
+    again = generate(pipe, PROMPTS[:1], [gen_config(YEAR, sampling=True)])[0]
+    assert again.finish_reason == 'stop', again
+    check_valid(again.text, YEAR)
 
 @pytest.mark.parametrize('method', ['eagle3'])
 def test_finished_sessions_leave_no_grammar_state(engines, method):

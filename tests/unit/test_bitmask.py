@@ -4,7 +4,7 @@ import torch
 import xgrammar as xgr
 
 from lmdeploy_guided_spec import allocate_bitmask, apply_bitmask_, bitmask_words, pack_bool_mask, unpack_bitmask
-from lmdeploy_guided_spec.bitmask import take_rows
+from lmdeploy_guided_spec.bitmask import guard_unsampleable_, take_rows
 
 pytestmark = pytest.mark.unit
 
@@ -135,3 +135,24 @@ def test_take_rows_equals_torch_indexing_of_a_strided_view():
     taken = take_rows(view, [1])
     view[1].fill_(0)
     assert not torch.equal(taken[0], view[1])
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_guard_unsampleable_rows(dtype):
+    """Rows with a NaN, a ``+inf`` or no finite value are found and left to token 0 alone; the others are untouched
+    (a ``-inf`` among finite values is a banned token, not a fault). Sampling the guarded batch goes on."""
+    inf, nan = float('inf'), float('nan')
+    logits = torch.randn(6, 40).to(dtype)
+    logits[0, 3] = nan
+    logits[1] = -inf
+    logits[2, 7] = inf
+    logits[3, :20] = -inf  # banned tokens: sampleable
+    logits[5] = nan
+    before = logits.clone()
+    bad = guard_unsampleable_(logits)
+    assert bad.tolist() == [True, True, True, False, False, True]
+    for row in (0, 1, 2, 5):
+        assert logits[row, 0] == 0 and (logits[row, 1:] == -inf).all()
+    assert torch.equal(logits[3:5], before[3:5])
+    probs = logits.float().softmax(-1)
+    assert torch.multinomial(probs, 1)[[0, 1, 2, 5]].flatten().tolist() == [0, 0, 0, 0]

@@ -460,7 +460,9 @@ def test_a_request_that_goes_on_after_its_grammar_ended_writes_only_stop_tokens(
 def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llama3, sparse, new_matcher):
     """ignore_eos bans the stop tokens the end of a grammar allows alone; lmdeploy's n-gram stop bans every token
     but a stop token in the middle of one. With ``banned`` the emptied rows take the grammar's tokens; the rest are
-    masked as always, and without ``banned`` nothing changes (the caller says when processors may have banned)."""
+    masked as always, and without ``banned`` nothing changes (the caller says when processors may have banned). A
+    row without a grammar that processors left nothing stays empty (the engine fails its request): it was given
+    every token, and sampled at random from the whole vocabulary."""
     vocab = _vocab(llama3)
     compiled = compile_schema(llama3, SCHEMAS['person'])
     full = _path(llama3, dumps(INSTANCES['person'][0]))
@@ -474,7 +476,8 @@ def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llam
         from lmdeploy_guided_spec.sparse import sparse_rows
         bitmask = sparse_rows(bitmask[:3], [0, 1, 2], vocab)
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, vocab, generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[4] = float('-inf')  # an unguided row a user's logits processor left nothing
     stops = sorted(testing.tokenizer_info(llama3).stop_token_ids)
     logits[0, stops] = float('-inf')  # ignore_eos
     logits[1] = float('-inf')  # the n-gram stop: only a stop token is left, which the grammar disallows here
@@ -489,6 +492,7 @@ def test_where_banned_tokens_and_the_grammar_leave_nothing_the_grammar_wins(llam
     assert torch.equal(torch.isfinite(out[1]), allowed(middle, vocab)[:vocab])
     assert (out[0][torch.isfinite(out[0])] == 0).all() and (out[1][torch.isfinite(out[1])] == 0).all()
     assert torch.equal(out[2], plain[2]) and torch.isfinite(out[2]).any()
-    assert torch.equal(out[3], before[3])  # the unguided row
+    assert torch.equal(out[3], before[3])  # the unguided rows
+    assert torch.equal(out[4], before[4])
     # lmdeploy 0.14's order: the grammar's mask first, the processors after it, then the rows are kept
     assert torch.equal(manager.keep_grammar_tokens_(plain.clone(), bitmask, matchers), out)
