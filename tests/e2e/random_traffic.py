@@ -10,9 +10,11 @@ answer a valid document. Run against a server of the CPU path (docs/en/developin
     .venv/bin/python tests/e2e/random_traffic.py --url http://127.0.0.1:23333 --seed 1 --seconds 600
 
 A failure is a request answered HTTP 5xx, a connection the server dropped, a stream that does not end with
-``[DONE]`` or carries an internal error, a guided answer that stopped but is not a valid document, or a wave's
-check request that does not answer one. Each is printed with its request body (the seed replays the bodies, not the
-server's timing). ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few waves of it.
+``[DONE]`` or carries an internal error, a request the engine could not sample (its logits held no finite value:
+through the API that is the engine's fault, not the request's), a guided answer that stopped but is not a valid
+document, or a wave's check request that does not answer one. Each is printed with its request body (the seed
+replays the bodies, not the server's timing). ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few
+waves of it.
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ HOSTILE_SCHEMAS = [
     'not an object',
 ]
 REGEXES = ['[a-c]{3,9}', '(yes|no)', r'\d{1,3}(\.\d{1,3}){3}', '(', '', 'a{1000}']
+#: what the engine answers for a request whose logits it could not sample
+UNSAMPLEABLE = 'no finite value to sample from'
 PROMPTS = ['hi', 'A JSON person, please.', '{"a":', 'Ünïcødé ✓ 日本語', '', 'x' * 300, 'word ' * 2000]
 
 
@@ -297,10 +301,14 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                         done = True
                     elif b'"error"' in line and b'nternal' in line:
                         return Outcome(key, f'an internal error in the stream: {line[:300]!r}', body)
+                    elif UNSAMPLEABLE.encode() in line:
+                        return Outcome(key, f'unsampleable logits: {line[:300]!r}', body)
                 if not done:
                     return Outcome(key, 'the stream ended without [DONE]', body)
                 return Outcome(key, body=body)
             payload = await r.json(content_type=None)
+            if UNSAMPLEABLE in json.dumps(payload):
+                return Outcome(key, f'unsampleable logits: {json.dumps(payload)[:300]}', body)
             stop_words = body.get('stop') or body.get('include_stop_str_in_output')
             if check is not None and not stop_words:
                 for text, reason in _texts(endpoint, payload):
