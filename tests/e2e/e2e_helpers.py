@@ -55,6 +55,8 @@ def response_format(kind: str, schema: dict | None = None, regex: str | None = N
 
 #: four digits, as a regex_schema response_format
 YEAR = response_format('regex_schema', regex='[0-9]{4}')
+#: the reason the engine gives for a request whose logits it could not sample (no finite value)
+UNSAMPLEABLE = 'no finite value to sample from'
 
 
 def check_valid(text: str, fmt: dict | None) -> None:
@@ -296,7 +298,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 def banned_tokens_and_dead_ends(pipe) -> None:
     """One batch with sampling rows through ``pipe``: ignore_eos, min_new_tokens or the n-gram stop together with the
     grammar (the grammar wins where they meet) and grammars that run into a dead end (each fails its own request with
-    the reason); then the engine still serves."""
+    the reason), and an unguided request whose n-gram stop waits for its min_new_tokens (the stop token it forced was
+    banned: a row without a finite logit); then the engine still serves."""
     ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
     dead_ends = [{'type': 'regex_schema', 'regex_schema': regex} for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a')]
     person = response_format('json_schema')
@@ -305,7 +308,9 @@ def banned_tokens_and_dead_ends(pipe) -> None:
                gen_config(ab, sampling=True, seed=2, min_new_tokens=8, max_new_tokens=12),
                gen_config(person, sampling=True, seed=3, repetition_ngram_size=2, repetition_ngram_threshold=1),
                *(gen_config(fmt, sampling=sampling, seed=4) for fmt in dead_ends for sampling in (False, True)),
-               gen_config(person, sampling=True, seed=5)]
+               gen_config(person, sampling=True, seed=5),
+               gen_config(None, sampling=True, seed=7, min_new_tokens=5, repetition_ngram_size=1,
+                          repetition_ngram_threshold=1, max_new_tokens=12)]
     responses = pipe([PROMPTS[i % len(PROMPTS)] for i in range(len(configs))], gen_config=configs)
     outputs = [Output(r.text, list(r.token_ids), r.finish_reason) for r in responses]
     # the reason of a failed request: lmdeploy 0.18 gives it as error_message, 0.14 as the text
@@ -327,6 +332,8 @@ def banned_tokens_and_dead_ends(pipe) -> None:
             check_valid(out.text, config.response_format)
     assert outputs[8].finish_reason == 'stop', outputs[8]
     check_valid(outputs[8].text, person)
+    # every token repeats a 1-gram: the n-gram stop ends the request as soon as it may
+    assert outputs[9].finish_reason == 'stop' and len(outputs[9].token_ids) >= 5, (outputs[9], reasons[9])
     # the engine still serves
     again = generate(pipe, PROMPTS[:1], [gen_config(person, sampling=True, seed=6)])[0]
     assert again.finish_reason == 'stop'

@@ -97,7 +97,9 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
     """Requests that stopped the engine (a sampled row without a finite logit) or failed with HTTP 500, one after
     another: a grammar that allows no token at all is refused at entry; one that runs into a dead end fails its own
     request (greedy, and sampled under six seeds); ignore_eos, min_new_tokens and the n-gram stop leave the grammar its
-    tokens, and the text is what the grammar accepts. ``alive()`` asserts the server is up, after every request.
+    tokens, and the text is what the grammar accepts; the n-gram stop waits for ``min_new_tokens`` (an unguided
+    request with both stopped the engine: the stop token it forced was banned). ``alive()`` asserts the server is up,
+    after every request.
     Returns the number of requests that met a dead end."""
     api = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
     model = api.models.list().data[0].id
@@ -132,13 +134,18 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
     ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
     cases = [(ab, dict(ignore_eos=True)), (ab, dict(min_new_tokens=10)),
              ({'type': 'json_object'}, dict(ignore_eos=True)),
-             (schema, dict(repetition_ngram_size=2, repetition_ngram_threshold=1))]
+             (schema, dict(repetition_ngram_size=2, repetition_ngram_threshold=1)),
+             (None, dict(min_new_tokens=5, repetition_ngram_size=1, repetition_ngram_threshold=1))]
     for fmt, extra in cases:
         for temperature in (0.0, 0.8):
-            choice = api.chat.completions.create(model=model, messages=messages, response_format=fmt,
-                                                 max_tokens=24, temperature=temperature, seed=3,
-                                                 extra_body=extra).choices[0]
+            completion = api.chat.completions.create(model=model, messages=messages,
+                                                     response_format=openai.NOT_GIVEN if fmt is None else fmt,
+                                                     max_tokens=24, temperature=temperature, seed=3, extra_body=extra)
+            choice = completion.choices[0]
             assert choice.finish_reason in ('stop', 'length'), (extra, choice)
+            if fmt is None:
+                # every token repeats a 1-gram: the n-gram stop ends the request as soon as it may
+                assert choice.finish_reason == 'stop' and completion.usage.completion_tokens >= 5, (extra, completion)
             if fmt is ab:
                 # after the grammar's end only stop tokens (ignore_eos runs to max_tokens); the test tokenizer does not
                 # mark <|eot_id|> and <|eom_id|> special, so the text shows them
