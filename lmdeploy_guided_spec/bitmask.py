@@ -221,14 +221,17 @@ def take_where_empty_(logits: torch.Tensor, grammar_only: torch.Tensor, *,
 
 def guard_unsampleable_(logits: torch.Tensor) -> torch.Tensor:
     """Rows of ``logits`` that cannot be sampled, as a bool tensor ``(rows,)``: a NaN or ``+inf`` anywhere in the
-    row, or no finite value. Those rows are set, in place, to token 0 alone, so that sampling the batch goes on.
+    row, or no finite value. In place, so that sampling the batch goes on, such a row gives every token it has not
+    banned (``-inf``) the same logit 0, and a row that banned every token keeps token 0 alone.
 
     One such row failed the whole batch: ``torch.multinomial`` raises on it (on CUDA a sampling kernel draws from
     garbage) and greedy ``argmax`` returns an arbitrary token. It comes of a user's logits processor, of bans that
-    leave a row nothing, or of a model's own NaN. The caller fails the requests of the rows returned. Two passes over
-    the logits and no device synchronization.
+    leave a row nothing, or of a model's own NaN. The caller fails the requests of the rows returned; the token drawn
+    for them is one their grammar allows where its mask went over the NaN (a grammar rejecting the token would log
+    a second, misleading failure). Two passes over the logits and no device synchronization.
     """
-    unsampleable = ~torch.isfinite(logits.amax(-1))  # amax is NaN where the row holds one
-    logits.masked_fill_(unsampleable.unsqueeze(-1), float('-inf'))
-    logits[:, 0].masked_fill_(unsampleable, 0.0)
+    largest = logits.amax(-1)  # NaN where the row holds one, -inf where it holds nothing else
+    unsampleable = ~torch.isfinite(largest)
+    logits.masked_fill_(unsampleable.unsqueeze(-1) & (logits != float('-inf')), 0.0)
+    logits[:, 0].masked_fill_(largest == float('-inf'), 0.0)
     return unsampleable

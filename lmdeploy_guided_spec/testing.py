@@ -21,7 +21,7 @@ import xgrammar as xgr
 from .bitmask import unpack_bitmask
 
 __all__ = ['TOKENIZERS', 'TokenizerSpec', 'load_tokenizer', 'tokenizer_info', 'grammar_compiler', 'allowed_tokens',
-           'environ', 'free_port', 'kill_at_exit', 'forget_at_exit']
+           'environ', 'free_port', 'kill_at_exit', 'forget_at_exit', 'fill_logits']
 
 
 @contextlib.contextmanager
@@ -217,6 +217,13 @@ def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> torch.Tensor
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(bitmask)
     return unpack_bitmask(bitmask, vocab_size)[0]
+
+
+def fill_logits(value: float, token_ids, logits: torch.Tensor) -> torch.Tensor:
+    """A logits processor, as ``functools.partial(fill_logits, value)``, that sets every logit of its request to
+    ``value`` (NaN, ``-inf``): a request whose logits cannot be sampled. A module's function, so that it pickles to
+    an engine's rank processes."""
+    return logits.fill_(value)
 
 
 def _encode_continuation(tokenizer, text: str) -> list[int]:

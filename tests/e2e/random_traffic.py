@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import jsonschema
-from e2e_helpers import check_valid
+from e2e_helpers import UNSAMPLEABLE, check_valid
 
 PERSON = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 12},
                                            'age': {'type': 'integer', 'minimum': 0, 'maximum': 150}},
@@ -86,8 +86,6 @@ HOSTILE_SCHEMAS = [
     'not an object',
 ]
 REGEXES = ['[a-c]{3,9}', '(yes|no)', r'\d{1,3}(\.\d{1,3}){3}', '(', '', 'a{1000}']
-#: what the engine answers for a request whose logits it could not sample
-UNSAMPLEABLE = 'no finite value to sample from'
 PROMPTS = ['hi', 'A JSON person, please.', '{"a":', 'Ünïcødé ✓ 日本語', '', 'x' * 300, 'word ' * 2000]
 
 

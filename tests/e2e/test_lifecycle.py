@@ -1,11 +1,13 @@
 """Bad input and the life of guided requests: an invalid response format fails its own request while the batch
 and the engine go on, and finished sessions leave no grammar state behind."""
+import functools
 import re
 
 import pytest
 from e2e_helpers import (
     METHODS,
     PROMPTS,
+    UNSAMPLEABLE,
     YEAR,
     check_valid,
     gen_config,
@@ -15,6 +17,8 @@ from e2e_helpers import (
     model_agent,
     response_format,
 )
+
+from lmdeploy_guided_spec.testing import fill_logits
 
 # (format, what the reason says): the series' wording on lmdeploy 0.14.0, lmdeploy's own entry check's on 0.18.0
 INVALID = [
@@ -69,14 +73,9 @@ def test_an_empty_prompt_fails_alone(engines):
 
 def _fill(value: float):
     """A user's logits processor that sets every logit of its request to ``value``."""
-
-    def fill(input_ids, scores):
-        return scores.fill_(value)
-
-    return fill
+    return functools.partial(fill_logits, value)
 
 
-NO_FINITE = 'no finite value'
 
 
 @pytest.mark.parametrize('method', ['non-spec', 'eagle3', 'deepseek_mtp'])
@@ -99,7 +98,7 @@ def test_a_request_without_a_finite_logit_fails_alone(engines, method):
             check_valid(out.text, YEAR)
         assert outputs[1].finish_reason in ('stop', 'length'), (sampling, outputs[1])
         for out in outputs[3:]:
-            assert out.finish_reason == "error" and NO_FINITE in out.text, (sampling, outputs)
+            assert out.finish_reason == 'error' and UNSAMPLEABLE in out.text, (sampling, outputs)
     again = generate(pipe, PROMPTS[:1], [gen_config(YEAR, sampling=True)])[0]
     assert again.finish_reason == 'stop', again
     check_valid(again.text, YEAR)

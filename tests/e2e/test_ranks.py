@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -28,6 +29,8 @@ import server_traffic as traffic
 from e2e_helpers import (
     ENGINE_KWARGS,
     PERSON,
+    UNSAMPLEABLE,
+    YEAR,
     Output,
     banned_tokens_and_dead_ends,
     check_valid,
@@ -44,6 +47,7 @@ from e2e_helpers import (
 )
 
 from lmdeploy_guided_spec.cpu import ranks
+from lmdeploy_guided_spec.testing import fill_logits
 
 # the session's cached pipelines go before these checks start engines with several rank processes each: memory
 pytestmark = pytest.mark.usefixtures('no_session_pipelines')
@@ -330,8 +334,8 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
     """tp=2: after 200 guided and unguided requests, greedy and sampling, no rank process holds matchers, kept
     drafting windows, failures or FSM sessions for a finished session, every rank verified the same drafts, and no
     rank's grammar rejected a committed token on the way (with ``deepseek_mtp`` rank 1 drafts too, following rank
-    0's sampled tokens). The check sees a leak: with the cleanup switched off in the rank processes, a few more
-    guided requests leave state behind."""
+    0's sampled tokens). Requests whose logits cannot be sampled fail alone among them. The check sees a leak: with
+    the cleanup switched off in the rank processes, a few more guided requests leave state behind."""
     target, draft = METHODS[method]
     start = time.perf_counter()
     # a batch of 64 keeps 200 requests short
@@ -349,6 +353,18 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
             if config.response_format is not None and out.finish_reason == 'stop':
                 check_valid(out.text, config.response_format)
         assert sum(config.response_format is not None for config in configs) >= 130
+        # requests whose logits cannot be sampled (a NaN everywhere) fail alone on the sampling rank, beside
+        # requests that finish, and leave no grammar state on either rank either
+        nan = functools.partial(fill_logits, float('nan'))
+        configs = [gen_config(YEAR, sampling=True, logits_processors=[nan]),
+                   gen_config(None, sampling=True, max_new_tokens=8, logits_processors=[nan]),
+                   gen_config(YEAR, sampling=True), gen_config(YEAR)]
+        outputs = generate(pipe, prompts[:4], configs)
+        for out in outputs[:2]:
+            assert out.finish_reason == 'error' and UNSAMPLEABLE in out.text, outputs
+        for out in outputs[2:]:
+            assert out.finish_reason == 'stop', outputs
+            check_valid(out.text, YEAR)
         state = _settled_grammar_state(pipe)
         assert sorted(state) == [0, 1], state
         assert state[0]['spec_agent'] == 'SpecModelAgent', state

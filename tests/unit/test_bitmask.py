@@ -139,20 +139,26 @@ def test_take_rows_equals_torch_indexing_of_a_strided_view():
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 def test_guard_unsampleable_rows(dtype):
-    """Rows with a NaN, a ``+inf`` or no finite value are found and left to token 0 alone; the others are untouched
-    (a ``-inf`` among finite values is a banned token, not a fault). Sampling the guarded batch goes on."""
+    """Rows with a NaN, a ``+inf`` or no finite value are found; each gives the tokens it has not banned the same
+    logit, and a row that banned everything keeps token 0. The others are untouched (a ``-inf`` among finite values
+    is a banned token, not a fault). Sampling the guarded batch goes on, and draws the tokens a grammar's mask left."""
     inf, nan = float('inf'), float('nan')
-    logits = torch.randn(6, 40).to(dtype)
+    logits = torch.randn(7, 40).to(dtype)
     logits[0, 3] = nan
     logits[1] = -inf
     logits[2, 7] = inf
     logits[3, :20] = -inf  # banned tokens: sampleable
     logits[5] = nan
+    logits[6] = nan  # a processor's NaN, then a grammar's mask that allows tokens 30 to 32
+    logits[6, :30] = -inf
+    logits[6, 33:] = -inf
     before = logits.clone()
     bad = guard_unsampleable_(logits)
-    assert bad.tolist() == [True, True, True, False, False, True]
-    for row in (0, 1, 2, 5):
-        assert logits[row, 0] == 0 and (logits[row, 1:] == -inf).all()
+    assert bad.tolist() == [True, True, True, False, False, True, True]
+    for row in (0, 2, 5):
+        assert (logits[row] == 0).all()
+    assert logits[1, 0] == 0 and (logits[1, 1:] == -inf).all()
+    assert torch.isfinite(logits[6]).nonzero().flatten().tolist() == [30, 31, 32] and (logits[6, 30:33] == 0).all()
     assert torch.equal(logits[3:5], before[3:5])
-    probs = logits.float().softmax(-1)
-    assert torch.multinomial(probs, 1)[[0, 1, 2, 5]].flatten().tolist() == [0, 0, 0, 0]
+    draws = torch.multinomial(logits.float().softmax(-1), 50, replacement=True)
+    assert (draws[1] == 0).all() and set(draws[6].tolist()) <= {30, 31, 32}
