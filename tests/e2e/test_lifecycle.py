@@ -70,12 +70,9 @@ def test_an_empty_prompt_fails_alone(engines):
     check_valid(again.text, good)
 
 
-
 def _fill(value: float):
     """A user's logits processor that sets every logit of its request to ``value``."""
     return functools.partial(fill_logits, value)
-
-
 
 
 @pytest.mark.parametrize('method', ['non-spec', 'eagle3', 'deepseek_mtp'])
@@ -102,6 +99,7 @@ def test_a_request_without_a_finite_logit_fails_alone(engines, method):
     again = generate(pipe, PROMPTS[:1], [gen_config(YEAR, sampling=True)])[0]
     assert again.finish_reason == 'stop', again
     check_valid(again.text, YEAR)
+
 
 @pytest.mark.parametrize('method', ['eagle3'])
 def test_finished_sessions_leave_no_grammar_state(engines, method):
