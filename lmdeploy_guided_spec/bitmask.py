@@ -221,17 +221,18 @@ def take_where_empty_(logits: torch.Tensor, grammar_only: torch.Tensor, *,
 
 def guard_unsampleable_(logits: torch.Tensor) -> torch.Tensor:
     """Rows of ``logits`` that cannot be sampled, as a bool tensor ``(rows,)``: a NaN or ``+inf`` anywhere in the
-    row, or no finite value. In place, so that sampling the batch goes on, such a row gives every token it has not
-    banned (``-inf``) the same logit 0, and a row that banned every token keeps token 0 alone.
+    row, or no finite value. In place, so that sampling the batch goes on, a NaN or ``+inf`` logit becomes 0 and a row
+    that banned every token (``-inf``) keeps token 0 alone.
 
     One such row failed the whole batch: ``torch.multinomial`` raises on it (on CUDA a sampling kernel draws from
     garbage) and greedy ``argmax`` returns an arbitrary token. It comes of a user's logits processor, of bans that
     leave a row nothing, or of a model's own NaN. The caller fails the requests of the rows returned; the token drawn
     for them is one their grammar allows where its mask went over the NaN (a grammar rejecting the token would log
-    a second, misleading failure). Two passes over the logits and no device synchronization.
+    a second, misleading failure). Two passes over the logits (no temporary of their size) and no device
+    synchronization.
     """
     largest = logits.amax(-1)  # NaN where the row holds one, -inf where it holds nothing else
     unsampleable = ~torch.isfinite(largest)
-    logits.masked_fill_(unsampleable.unsqueeze(-1) & (logits != float('-inf')), 0.0)
+    torch.nan_to_num_(logits, nan=0.0, posinf=0.0, neginf=float('-inf'))  # rows without NaN or +inf keep their values
     logits[:, 0].masked_fill_(largest == float('-inf'), 0.0)
     return unsampleable

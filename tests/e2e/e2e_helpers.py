@@ -309,8 +309,9 @@ def banned_tokens_and_dead_ends(pipe) -> None:
                gen_config(person, sampling=True, seed=3, repetition_ngram_size=2, repetition_ngram_threshold=1),
                *(gen_config(fmt, sampling=sampling, seed=4) for fmt in dead_ends for sampling in (False, True)),
                gen_config(person, sampling=True, seed=5),
+               # room for min_new_tokens counted in speculative steps (up to k + 1 tokens each) and a step more
                gen_config(None, sampling=True, seed=7, min_new_tokens=5, repetition_ngram_size=1,
-                          repetition_ngram_threshold=1, max_new_tokens=12)]
+                          repetition_ngram_threshold=1, max_new_tokens=40)]
     responses = pipe([PROMPTS[i % len(PROMPTS)] for i in range(len(configs))], gen_config=configs)
     outputs = [Output(r.text, list(r.token_ids), r.finish_reason) for r in responses]
     # the reason of a failed request: lmdeploy 0.18 gives it as error_message, 0.14 as the text

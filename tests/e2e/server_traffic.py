@@ -140,7 +140,8 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
         for temperature in (0.0, 0.8):
             completion = api.chat.completions.create(model=model, messages=messages,
                                                      response_format=openai.NOT_GIVEN if fmt is None else fmt,
-                                                     max_tokens=24, temperature=temperature, seed=3, extra_body=extra)
+                                                     max_tokens=24 if fmt is not None else 40, temperature=temperature,
+                                                     seed=3, extra_body=extra)
             choice = completion.choices[0]
             assert choice.finish_reason in ('stop', 'length'), (extra, choice)
             if fmt is None:

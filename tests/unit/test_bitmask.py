@@ -139,9 +139,9 @@ def test_take_rows_equals_torch_indexing_of_a_strided_view():
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 def test_guard_unsampleable_rows(dtype):
-    """Rows with a NaN, a ``+inf`` or no finite value are found; each gives the tokens it has not banned the same
-    logit, and a row that banned everything keeps token 0. The others are untouched (a ``-inf`` among finite values
-    is a banned token, not a fault). Sampling the guarded batch goes on, and draws the tokens a grammar's mask left."""
+    """Rows with a NaN, a ``+inf`` or no finite value are found; their NaN and ``+inf`` logits become 0, and a row
+    that banned everything keeps token 0. The others are untouched (a ``-inf`` among finite values is a banned
+    token, not a fault). Sampling the guarded batch goes on, and draws the tokens a grammar's mask left."""
     inf, nan = float('inf'), float('nan')
     logits = torch.randn(7, 40).to(dtype)
     logits[0, 3] = nan
@@ -155,8 +155,11 @@ def test_guard_unsampleable_rows(dtype):
     before = logits.clone()
     bad = guard_unsampleable_(logits)
     assert bad.tolist() == [True, True, True, False, False, True, True]
-    for row in (0, 2, 5):
-        assert (logits[row] == 0).all()
+    assert logits[0, 3] == 0 and logits[2, 7] == 0 and (logits[5] == 0).all()
+    for row in (0, 2):
+        others = torch.ones(40, dtype=torch.bool)
+        others[3 if row == 0 else 7] = False
+        assert torch.equal(logits[row][others], before[row][others])
     assert logits[1, 0] == 0 and (logits[1, 1:] == -inf).all()
     assert torch.isfinite(logits[6]).nonzero().flatten().tolist() == [30, 31, 32] and (logits[6, 30:33] == 0).all()
     assert torch.equal(logits[3:5], before[3:5])
