@@ -219,11 +219,14 @@ def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> torch.Tensor
     return unpack_bitmask(bitmask, vocab_size)[0]
 
 
-def fill_logits(value: float, token_ids, logits: torch.Tensor) -> torch.Tensor:
-    """A logits processor, as ``functools.partial(fill_logits, value)``, that sets every logit of its request to
-    ``value`` (NaN, ``-inf``): a request whose logits cannot be sampled. A module's function, so that it pickles to
-    an engine's rank processes."""
+def _fill(value: float, token_ids, logits: torch.Tensor) -> torch.Tensor:
     return logits.fill_(value)
+
+
+def fill_logits(value: float):
+    """A logits processor that sets every logit of its request to ``value`` (NaN, ``-inf``): a request whose logits
+    cannot be sampled. A partial of a module's function, so that it pickles to an engine's rank processes."""
+    return functools.partial(_fill, value)
 
 
 def _encode_continuation(tokenizer, text: str) -> list[int]:

@@ -1,6 +1,5 @@
 """Bad input and the life of guided requests: an invalid response format fails its own request while the batch
 and the engine go on, and finished sessions leave no grammar state behind."""
-import functools
 import re
 
 import pytest
@@ -70,11 +69,6 @@ def test_an_empty_prompt_fails_alone(engines):
     check_valid(again.text, good)
 
 
-def _fill(value: float):
-    """A user's logits processor that sets every logit of its request to ``value``."""
-    return functools.partial(fill_logits, value)
-
-
 @pytest.mark.parametrize('method', ['non-spec', 'eagle3', 'deepseek_mtp'])
 def test_a_request_without_a_finite_logit_fails_alone(engines, method):
     """A request whose logits hold a NaN or nothing finite (here a user's logits processor; bans that leave a row
@@ -85,10 +79,11 @@ def test_a_request_without_a_finite_logit_fails_alone(engines, method):
     pipe = method_pipeline(engines, method)
     for sampling in (False, True):
         configs = [gen_config(YEAR, sampling=sampling), gen_config(None, sampling=sampling, max_new_tokens=8)]
-        configs += [gen_config(YEAR, sampling=sampling, logits_processors=[_fill(float('-inf'))]),
-                    gen_config(YEAR, sampling=sampling, logits_processors=[_fill(float('nan'))]),
-                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=[_fill(float('nan'))]),
-                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=[_fill(float('-inf'))])]
+        banned, nan = [fill_logits(float('-inf'))], [fill_logits(float('nan'))]
+        configs += [gen_config(YEAR, sampling=sampling, logits_processors=banned),
+                    gen_config(YEAR, sampling=sampling, logits_processors=nan),
+                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=nan),
+                    gen_config(None, sampling=sampling, max_new_tokens=8, logits_processors=banned)]
         outputs = generate(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(len(configs))], configs)
         for out in (outputs[0], outputs[2]):
             assert out.finish_reason == 'stop', (sampling, out)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import socket
@@ -355,7 +354,7 @@ def test_tp2_no_grammar_state_left(cpu_path, method, tmp_path):
         assert sum(config.response_format is not None for config in configs) >= 130
         # requests whose logits cannot be sampled (a NaN everywhere) fail alone on the sampling rank, beside
         # requests that finish, and leave no grammar state on either rank either
-        nan = functools.partial(fill_logits, float('nan'))
+        nan = fill_logits(float('nan'))
         configs = [gen_config(YEAR, sampling=True, logits_processors=[nan]),
                    gen_config(None, sampling=True, max_new_tokens=8, logits_processors=[nan]),
                    gen_config(YEAR, sampling=True), gen_config(YEAR)]
