@@ -129,6 +129,29 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
                     assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
             alive()
     assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
+    # streamed with n=2 (0.18.0 fans it out to one request per choice): a choice that meets the dead end ends the
+    # stream with its error event, as one choice's stream does; the stream was cut instead (an exception in the
+    # server, no error and no [DONE])
+    streamed_dead_ends = 0
+    for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a'):
+        fmt = {'type': 'regex_schema', 'regex_schema': regex}
+        texts: dict[int, str] = {}
+        try:
+            for chunk in api.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                     max_tokens=8, temperature=0.0, n=2, stream=True):
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, '') + (choice.delta.content or '')
+        except openai.APIError as err:
+            assert DEAD_END in str(err), err
+            streamed_dead_ends += 1
+        else:
+            # 0.14.0 answers one choice, and a failed request with its reason as the text
+            if any(DEAD_END in text for text in texts.values()):
+                streamed_dead_ends += 1
+            else:
+                assert set(texts.values()) == {regex[-1]}, texts
+        alive()
+    assert streamed_dead_ends == 1  # greedy: both choices take the same path, into the dead end of one regex
     schema = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': {
         'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}}}
     ab = {'type': 'regex_schema', 'regex_schema': 'ab'}
