@@ -1,20 +1,21 @@
 """Seeded random traffic for a running api_server, to hunt the defects that only mixed, hostile traffic shows.
 
-Waves of 1 to 8 concurrent requests on ``/v1/chat/completions``, ``/v1/completions`` and ``/generate``, each a random
-mix of what clients send: every ``response_format`` kind and the guided fields of vLLM and SGLang, schemas built to
-hurt (recursive, deep, wide, unsatisfiable, invalid), sampling settings in and out of range, ``n``, logprobs, stop
-words, penalties, ``min_new_tokens``, ``ignore_eos``, a ``session_id`` other requests may hold, prompts empty, long or
-made of token ids, streams read to the end or left after a few chunks. After each wave a guided greedy request must
-answer a valid document. Run against a server of the CPU path (docs/en/developing.md)::
+Waves of 1 to 8 concurrent requests on ``/v1/chat/completions``, ``/v1/completions``, ``/generate`` and, where the
+server has it (0.18.0), the Responses API's ``/v1/responses``, each a random mix of what clients send: every
+``response_format`` kind and the guided fields of vLLM and SGLang, schemas built to hurt (recursive, deep, wide,
+unsatisfiable, invalid), sampling settings in and out of range, ``n``, logprobs, stop words, penalties,
+``min_new_tokens``, ``ignore_eos``, a ``session_id`` other requests may hold, prompts empty, long or made of token
+ids, streams read to the end or left after a few chunks. After each wave a guided greedy request must answer a valid
+document. Run against a server of the CPU path (docs/en/developing.md)::
 
     .venv/bin/python tests/e2e/random_traffic.py --url http://127.0.0.1:23333 --seed 1 --seconds 600
 
-A failure is a request answered HTTP 5xx, a connection the server dropped, a stream that does not end with
-``[DONE]`` or carries an internal error, a request the engine could not sample (its logits held no finite value:
-through the API that is the engine's fault, not the request's), a guided answer that stopped but is not a valid
-document, or a wave's check request that does not answer one. Each is printed with its request body (the seed
-replays the bodies, not the server's timing). ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few
-waves of it.
+A failure is a request answered HTTP 5xx, a connection the server dropped, a stream that does not end with ``[DONE]``
+(a Responses API stream: with its status event) or carries an internal error, a request the engine could not sample
+(its logits held no finite value: through the API that is the engine's fault, not the request's), a guided answer that
+stopped but is not a valid document, or a wave's check request that does not answer one. Each is printed with its
+request body (the seed replays the bodies, not the server's timing).
+``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few waves of it.
 """
 from __future__ import annotations
 
@@ -199,9 +200,20 @@ def guided_fields(rng: random.Random) -> tuple[dict, dict | None, Check]:
     return fields, None, None
 
 
-def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, Check, int | None]:
-    """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``."""
-    endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate'])
+def text_format(fmt: dict | None) -> dict | None:
+    """The Responses API's ``text.format`` of a chat ``response_format`` (a kind it lacks, e.g. ``regex_schema``,
+    passes as it is: the server refuses it)."""
+    if fmt is None or fmt.get('type') != 'json_schema':
+        return fmt
+    return {'type': 'json_schema', 'name': fmt['json_schema']['name'], 'schema': fmt['json_schema']['schema']}
+
+
+def build(rng: random.Random, model: str,
+          responses: bool = False) -> tuple[str, dict, dict | None, Check, int | None]:
+    """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``; with
+    ``responses``, of the Responses API (``/v1/responses``) too."""
+    endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate']
+                          + ['/v1/responses'] * responses)
     hostile = rng.random() < 0.25
     params = sampling(rng, hostile)
     if endpoint == '/v1/chat/completions':
@@ -223,6 +235,14 @@ def build(rng: random.Random, model: str) -> tuple[str, dict, dict | None, Check
             body['echo'] = True
         if rng.random() < 0.05:
             body['suffix'] = 'x'
+    elif endpoint == '/v1/responses':
+        fmt, check = response_format(rng)
+        params['max_output_tokens'] = params.pop('max_tokens', None)
+        body = {'model': model, 'input': rng.choice(PROMPTS), **params}
+        if rng.random() < 0.3:
+            body['input'] = [{'role': 'user', 'content': rng.choice(PROMPTS)}]
+        if fmt is not None:
+            body['text'] = {'format': text_format(fmt)}
     else:
         fields, fmt, check = guided_fields(rng)
         params.pop('n', None)
@@ -245,6 +265,8 @@ def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
         return [(payload.get('text'), reason.get('type') if isinstance(reason, dict) else reason)]
     if endpoint == '/v1/completions':
         return [(c.get('text'), c.get('finish_reason')) for c in payload.get('choices', [])]
+    if endpoint == '/v1/responses':
+        return [(payload.get('output_text'), 'stop' if payload.get('status') == 'completed' else payload.get('status'))]
     return [((c.get('message') or {}).get('content'), c.get('finish_reason')) for c in payload.get('choices', [])]
 
 
@@ -295,7 +317,9 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                     chunks += 1
                     if leave_after is not None and chunks >= leave_after:
                         return Outcome(key, body=body)
-                    if line == b'data: [DONE]':
+                    if line == b'data: [DONE]' or line.startswith(b'event: response.') and line.endswith(
+                            (b'.completed', b'.incomplete', b'.failed')):
+                        # the chat and completions streams end with [DONE], a Responses API stream with its status
                         done = True
                     elif b'"error"' in line and b'nternal' in line:
                         return Outcome(key, f'an internal error in the stream: {line[:300]!r}', body)
@@ -357,6 +381,12 @@ async def _model(client: aiohttp.ClientSession, base: str, wait_s: float, out) -
         await asyncio.sleep(2)
 
 
+async def _has_responses(client: aiohttp.ClientSession, base: str) -> bool:
+    """Whether the server has the Responses API (lmdeploy 0.18.0 has, 0.14.0 has not)."""
+    async with client.get(f'{base}/openapi.json', timeout=aiohttp.ClientTimeout(total=30)) as r:
+        return r.status == 200 and '/v1/responses' in (await r.json()).get('paths', {})
+
+
 async def run(base: str, seed: int, *, requests: int | None = None, seconds: float | None = None,
               wait_s: float = 0, out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
     """Waves of random requests until ``requests`` were sent or ``seconds`` passed: ``(outcomes, failures)``, the
@@ -370,13 +400,15 @@ async def run(base: str, seed: int, *, requests: int | None = None, seconds: flo
     # ("Can not write request body", once in 392 requests): a race of the client's pool, not of the server
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3)) as client:
         model = await _model(client, base, wait_s, out)
+        responses = await _has_responses(client, base)
         start = time.monotonic()
         sent, wave = 0, 0
         while (requests is None or sent < requests) and (seconds is None or time.monotonic() - start < seconds):
             size = rng.randrange(1, 9)
             if requests is not None:
                 size = min(size, requests - sent)
-            outcomes = await asyncio.gather(*[send(client, base, *build(rng, model)) for _ in range(size)])
+            outcomes = await asyncio.gather(*[send(client, base, *build(rng, model, responses))
+                                              for _ in range(size)])
             sent += size
             wave += 1
             outcomes_all.extend(outcomes)
