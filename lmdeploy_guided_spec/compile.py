@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import xgrammar as xgr
 
 from . import regular
+from .depth import tag_schemas
 from .env import positive_from_env
 from .errors import (
     CheckAbandoned,
@@ -1415,3 +1416,15 @@ def grammar_is_empty(kind: str, source: str | dict | None = None, **options: Any
     entry = _entry_check.get()
     # in run_entry_check, the wait ends (CheckAbandoned) when the request goes away
     return future.result() if entry is None else entry.result(checker, future)
+
+
+def tag_schema_is_empty(tag: dict) -> bool:
+    """Whether a ``json_schema`` format inside a structural tag admits no instance (each checked with
+    :func:`grammar_is_empty`, which says what it raises; blocks like it).
+
+    lmdeploy 0.18 builds a structural tag of the tools' parameters for ``tool_choice="required"``. The language of a
+    whole tag says little (text outside its tags is free, and the check does not see through its tag dispatch), but
+    a request that enters a tag whose schema has no instance can only meet a dead end: its grammar allows no token
+    after the tag's opening.
+    """
+    return any(grammar_is_empty('json_schema', schema) for schema in tag_schemas(tag))

@@ -126,7 +126,7 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
     # tool_choice="required", and wraps a client's json_schema in one for GPT-OSS)
     if nesting_depth(response_format, stop_after=2 * limit) > 2 * limit:
         return _too_deep('the structural_tag', 2 * limit)
-    for schema in _tag_schemas(response_format):
+    for schema in tag_schemas(response_format):
         if nesting_depth(schema, stop_after=limit) > limit:
             return _too_deep('a json_schema of the structural_tag', limit)
     return None
@@ -138,7 +138,7 @@ def _too_deep(what: str, limit: int) -> str:
             'the cube of its depth to build')
 
 
-def _tag_schemas(tag: dict) -> list:
+def tag_schemas(tag: dict) -> list:
     """The ``json_schema`` of every ``{"type": "json_schema", ...}`` format in a structural tag, without recursion
     (the tag's depth is already bounded), each object once."""
     schemas, seen, stack = [], set(), [tag]

@@ -295,6 +295,23 @@ def test_a_required_tool_call_follows_the_tools_schema(client):
         check_valid(call.function.arguments, JSON_PERSON)
 
 
+@pytest.mark.parametrize('tools_first', [False, True], ids=['one tool', 'beside a tool that has instances'])
+def test_a_required_tool_call_whose_parameters_admit_no_instance_is_400(client, server, tools_first):
+    """tool_choice="required" with a tool whose parameters admit no instance (a $ref to itself): HTTP 400 naming the
+    cause (patch 0060), as a response_format with that schema is; it ran into the dead end of its grammar, HTTP 500
+    "guided decoding failed: ... allows no token at all" (or a dead end whenever the model picked that tool)."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'loop', 'parameters': {
+        '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}]
+    if tools_first:
+        tools.insert(0, {'type': 'function', 'function': {'name': 'save_person', 'parameters': PERSON}})
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save a person.'}],
+                                  tools=tools, tool_choice='required', max_tokens=64, temperature=0)
+    assert err.value.status_code == 400 and 'admits no instance' in err.value.message, err.value
+    assert server['proc'].poll() is None
+
+
 only_018 = pytest.mark.skipif(not version('lmdeploy').startswith('0.18.'),
                               reason='the Responses API (/v1/responses) came with lmdeploy 0.18')
 

@@ -39,6 +39,7 @@ from lmdeploy_guided_spec.compile import (
     grammar_is_empty,
     probe_tokens,
     run_entry_check,
+    tag_schema_is_empty,
 )
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 
@@ -287,6 +288,26 @@ def test_a_check_parses_every_kind_without_a_tokenizer(kind, source, options, te
                                          ('ebnf', 'root ::= "a" root')])
 def test_a_check_finds_a_grammar_without_instances(kind, source):
     assert grammar_is_empty(kind, source) is True
+
+
+def _tools_tag(*parameters) -> dict:
+    """The structural tag lmdeploy 0.18 builds for tool_choice="required" with the Qwen 3 tool parser."""
+    tools = [{'type': 'function', 'function': {'name': f'f{i}', 'parameters': p}} for i, p in enumerate(parameters)]
+    tag = xgr.get_model_structural_tag('qwen_3', tools, tool_choice='required', reasoning=False)
+    return tag.model_dump(mode='json')
+
+
+def test_a_structural_tag_whose_tool_parameters_admit_no_instance_is_found():
+    """The check of a whole structural tag says its language is not empty (text outside the tags is free), but a
+    request that calls the tool could only meet a dead end (``tool_choice="required"``: every request)."""
+    person = {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}
+    assert tag_schema_is_empty(_tools_tag(NO_INSTANCE)) is True
+    assert tag_schema_is_empty(_tools_tag(person, NO_INSTANCE)) is True
+    assert grammar_is_empty('structural_tag', json.dumps(_tools_tag(NO_INSTANCE))) is False
+    assert tag_schema_is_empty(_tools_tag(person)) is False
+    assert tag_schema_is_empty(_tools_tag(person, {'type': 'object'})) is False
+    # a tag without a json_schema in it
+    assert tag_schema_is_empty({'type': 'structural_tag', 'format': {'type': 'const_string', 'value': 'x'}}) is False
 
 
 @pytest.mark.parametrize('kind,source,reason', [
