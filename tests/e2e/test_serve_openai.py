@@ -295,6 +295,36 @@ def test_a_required_tool_call_follows_the_tools_schema(client):
         check_valid(call.function.arguments, JSON_PERSON)
 
 
+def test_a_named_tool_choice_forces_a_call_of_that_tool(client):
+    """tool_choice naming a function (OpenAI's ``{"type": "function", "function": {"name": ...}}``) forces a call of
+    that function, its arguments an instance of its parameters, as "required" does with any of the tools (patch
+    0061: lmdeploy only showed the model that tool, and the output was free: here no call at all)."""
+    c, model = client
+    year = {'type': 'object', 'properties': {'year': {'type': 'integer', 'minimum': 1900, 'maximum': 2100}},
+            'required': ['year'], 'additionalProperties': False}
+    tools = [{'type': 'function', 'function': {'name': 'save_person', 'parameters': PERSON}},
+             {'type': 'function', 'function': {'name': 'save_year', 'parameters': year}}]
+    for name, schema in (('save_year', year), ('save_person', PERSON)):
+        choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save something.'}],
+                                           tools=tools, tool_choice={'type': 'function', 'function': {'name': name}},
+                                           max_tokens=128, temperature=0).choices[0]
+        assert choice.finish_reason == 'tool_calls' and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == name, call
+            check_valid(call.function.arguments, _json_schema(schema))
+
+
+def test_a_named_tool_choice_of_a_function_not_in_tools_is_400(client):
+    """OpenAI refuses a tool_choice naming a function that is not among the tools; lmdeploy showed the model no tool
+    and answered 200 (patch 0061)."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'save_person', 'parameters': PERSON}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save a person.'}], tools=tools,
+                                  tool_choice={'type': 'function', 'function': {'name': 'missing'}}, max_tokens=16)
+    assert err.value.status_code == 400 and "'missing'" in err.value.message, err.value
+
+
 @pytest.mark.parametrize('tools_first', [False, True], ids=['one tool', 'beside a tool that has instances'])
 def test_a_required_tool_call_whose_parameters_admit_no_instance_is_400(client, server, tools_first):
     """tool_choice="required" with a tool whose parameters admit no instance (a $ref to itself): HTTP 400 naming the
