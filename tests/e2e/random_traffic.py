@@ -1,7 +1,7 @@
 """Seeded random traffic for a running api_server, to hunt the defects that only mixed, hostile traffic shows.
 
 Waves of 1 to 8 concurrent requests on ``/v1/chat/completions``, ``/v1/completions``, ``/generate`` and, where the
-server has it (0.18.0), the Responses API's ``/v1/responses``, each a random mix of what clients send: every
+server has it, the Responses API's ``/v1/responses``, each a random mix of what clients send: every
 ``response_format`` kind and the guided fields of vLLM and SGLang, schemas built to hurt (recursive, deep, wide,
 unsatisfiable, invalid), sampling settings in and out of range, ``n``, logprobs, stop words, penalties,
 ``min_new_tokens``, ``ignore_eos``, a ``session_id`` other requests may hold, prompts empty, long or made of token
@@ -382,7 +382,7 @@ async def _model(client: aiohttp.ClientSession, base: str, wait_s: float, out) -
 
 
 async def _has_responses(client: aiohttp.ClientSession, base: str) -> bool:
-    """Whether the server has the Responses API (lmdeploy 0.18.0 has, 0.14.0 has not)."""
+    """Whether the server has the Responses API (``/v1/responses`` among its OpenAPI paths)."""
     async with client.get(f'{base}/openapi.json', timeout=aiohttp.ClientTimeout(total=30)) as r:
         return r.status == 200 and '/v1/responses' in (await r.json()).get('paths', {})
 

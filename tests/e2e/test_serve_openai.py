@@ -342,63 +342,6 @@ def test_a_required_tool_call_whose_parameters_admit_no_instance_is_400(client, 
     assert server['proc'].poll() is None
 
 
-only_018 = pytest.mark.skipif(not version('lmdeploy').startswith('0.18.'),
-                              reason='the Responses API (/v1/responses) came with lmdeploy 0.18')
-
-
-@only_018
-@pytest.mark.parametrize('stream', [False, True], ids=['batch', 'stream'])
-@pytest.mark.parametrize('whitespace', [None, 'compact'])
-def test_the_responses_api_follows_text_format(client, whitespace, stream):
-    """The Responses API's ``text.format`` constrains the output as a chat ``response_format`` does, ``whitespace``
-    included (patch 0059: it was dropped, and the output had lmdeploy's any whitespace)."""
-    c, model = client
-    fmt = {'type': 'json_schema', 'name': 'person', 'schema': PERSON, 'strict': True}
-    if whitespace is not None:
-        fmt['whitespace'] = whitespace
-    kwargs = dict(model=model, input='Describe a person as JSON.', text={'format': fmt}, max_output_tokens=96,
-                  temperature=0)
-    if stream:
-        text, status = '', None
-        for event in c.responses.create(stream=True, **kwargs):
-            if event.type == 'response.output_text.delta':
-                text += event.delta
-            elif event.type in ('response.completed', 'response.incomplete', 'response.failed'):
-                status = event.response.status
-    else:
-        response = c.responses.create(**kwargs)
-        text, status = response.output_text, response.status
-    assert status == 'completed', (status, text)
-    check_valid(text, JSON_PERSON)
-    if whitespace == 'compact':
-        assert text == json.dumps(json.loads(text), separators=(',', ':'), ensure_ascii=False), text
-
-
-RESPONSES_BAD = {
-    # name: (text.format, what the message says)
-    'schema not an object': ({'type': 'json_schema', 'name': 'p', 'schema': 'not an object'},
-                             '`text.format.schema` must be an object'),
-    'schema a list': ({'type': 'json_schema', 'name': 'p', 'schema': [1]}, '`text.format.schema` must be an object'),
-    'name not a string': ({'type': 'json_schema', 'name': 5, 'schema': PERSON}, '`text.format.name` must be a string'),
-    'unknown whitespace': ({'type': 'json_schema', 'name': 'p', 'schema': PERSON, 'whitespace': 'wide'},
-                           'whitespace'),
-    'invalid schema': ({'type': 'json_schema', 'name': 'p', 'schema': {'type': 'nonsense'}}, 'nonsense'),
-}
-
-
-@only_018
-@pytest.mark.parametrize('name', RESPONSES_BAD)
-def test_the_responses_api_refuses_a_bad_text_format_with_400(client, server, name):
-    """A ``text.format`` the server cannot serve is HTTP 400 with OpenAI's error body (a schema or name of the wrong
-    type was HTTP 500: the chat request built from it raised), and the server serves on."""
-    fmt, message = RESPONSES_BAD[name]
-    c, model = client
-    with pytest.raises(openai.BadRequestError) as err:
-        c.responses.create(model=model, input='x', text={'format': fmt}, max_output_tokens=8)
-    assert err.value.status_code == 400 and message in err.value.message, err.value
-    assert server['proc'].poll() is None
-
-
 def test_unenforced_keyword_without_strict_is_served_with_a_warning(client, server):
     text = _ask(client, response_format=_json_schema(UNENFORCED))
     # the rest of the schema holds

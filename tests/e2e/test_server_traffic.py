@@ -556,6 +556,63 @@ def test_requests_whose_grammar_meets_banned_tokens_or_a_dead_end(server):
 
 
 
+def _client(server) -> tuple[openai.OpenAI, str]:
+    api = openai.OpenAI(base_url=f'{server[1]}/v1', api_key='none', timeout=120, max_retries=0)
+    return api, api.models.list().data[0].id
+
+
+@pytest.mark.parametrize('stream', [False, True], ids=['batch', 'stream'])
+@pytest.mark.parametrize('whitespace', [None, 'compact'])
+def test_the_responses_api_follows_text_format(server, whitespace, stream):
+    """The Responses API's ``text.format`` (``/v1/responses``) constrains the output as a chat ``response_format``
+    does, ``whitespace`` included (0.18.0 patch 0059, 0.14.0 patch 0071: it was dropped, and the output had any
+    whitespace). On 0.14.0 every answer was HTTP 500: its usage lacked a field the openai package requires."""
+    c, model = _client(server)
+    fmt = {'type': 'json_schema', 'name': 'person', 'schema': PERSON, 'strict': True}
+    if whitespace is not None:
+        fmt['whitespace'] = whitespace
+    kwargs = dict(model=model, input='Describe a person as JSON.', text={'format': fmt}, max_output_tokens=96,
+                  temperature=0)
+    if stream:
+        text, status = '', None
+        for event in c.responses.create(stream=True, **kwargs):
+            if event.type == 'response.output_text.delta':
+                text += event.delta
+            elif event.type in ('response.completed', 'response.incomplete', 'response.failed'):
+                status = event.response.status
+    else:
+        response = c.responses.create(**kwargs)
+        text, status = response.output_text, response.status
+    assert status == 'completed', (status, text)
+    check_valid(text, {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}})
+    if whitespace == 'compact':
+        assert text == json.dumps(json.loads(text), separators=(',', ':'), ensure_ascii=False), text
+
+
+RESPONSES_BAD = {
+    # name: (text.format, what the message says)
+    'schema not an object': ({'type': 'json_schema', 'name': 'p', 'schema': 'not an object'},
+                             '`text.format.schema` must be an object'),
+    'schema a list': ({'type': 'json_schema', 'name': 'p', 'schema': [1]}, '`text.format.schema` must be an object'),
+    'name not a string': ({'type': 'json_schema', 'name': 5, 'schema': PERSON}, '`text.format.name` must be a string'),
+    'unknown whitespace': ({'type': 'json_schema', 'name': 'p', 'schema': PERSON, 'whitespace': 'wide'},
+                           'whitespace'),
+    'invalid schema': ({'type': 'json_schema', 'name': 'p', 'schema': {'type': 'nonsense'}}, 'nonsense'),
+}
+
+
+@pytest.mark.parametrize('name', RESPONSES_BAD)
+def test_the_responses_api_refuses_a_bad_text_format_with_400(server, name):
+    """A ``text.format`` the server cannot serve is HTTP 400 with OpenAI's error body (a schema or name of the wrong
+    type was HTTP 500: the chat request built from it raised), and the server serves on."""
+    fmt, message = RESPONSES_BAD[name]
+    c, model = _client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model=model, input='x', text={'format': fmt}, max_output_tokens=8)
+    assert err.value.status_code == 400 and message in err.value.message, err.value
+    assert server[0].poll() is None
+
+
 def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_path):
     """An api_server killed outright (the OOM killer, ``kill -9``) left lmdeploy's engine process running on its
     own: on a GPU the model and the KV cache stay taken, and a server started again does not find the memory. The
