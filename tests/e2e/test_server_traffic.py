@@ -613,6 +613,37 @@ def test_the_responses_api_refuses_a_bad_text_format_with_400(server, name):
     assert server[0].poll() is None
 
 
+def _anthropic_message(server, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to the Anthropic Messages endpoint (``/v1/messages``): the status and the JSON answer."""
+    request = urllib.request.Request(f'{server[1]}/v1/messages', data=json.dumps(body).encode(), method='POST',
+                                     headers={'content-type': 'application/json', 'anthropic-version': '2023-06-01'})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_the_anthropic_messages_api_follows_output_format(server):
+    """Anthropic's structured outputs (``output_format: {"type": "json_schema", "schema": ...}``) on ``/v1/messages``
+    constrain the text as a chat ``response_format`` does (0.18.0 patch 0062, 0.14.0 patch 0072: the field was dropped
+    and the text was free); a schema that is not an object, a format of another type or a schema the grammar cannot
+    serve is HTTP 400, and the server serves on."""
+    _, model = _client(server)
+    body = {'model': model, 'max_tokens': 96, 'temperature': 0, 'messages': [{'role': 'user', 'content': 'A person.'}],
+            'output_format': {'type': 'json_schema', 'schema': PERSON}}
+    status, answer = _anthropic_message(server, body)
+    assert status == 200 and answer['stop_reason'] == 'end_turn', answer
+    text = ''.join(block['text'] for block in answer['content'] if block['type'] == 'text')
+    check_valid(text, {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}})
+    for output_format, message in (({'type': 'json_schema', 'schema': 'not an object'}, 'output_format.schema'),
+                                   ({'type': 'regex', 'pattern': 'a+'}, 'output_format type'),
+                                   ({'type': 'json_schema', 'schema': {'type': 'nonsense'}}, 'nonsense')):
+        status, answer = _anthropic_message(server, {**body, 'output_format': output_format})
+        assert status == 400 and message in answer['error']['message'], answer
+    assert server[0].poll() is None
+
+
 def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_path):
     """An api_server killed outright (the OOM killer, ``kill -9``) left lmdeploy's engine process running on its
     own: on a GPU the model and the KV cache stay taken, and a server started again does not find the memory. The
