@@ -314,6 +314,19 @@ def test_a_named_tool_choice_forces_a_call_of_that_tool(client):
             check_valid(call.function.arguments, _json_schema(schema))
 
 
+def test_a_required_call_of_a_function_without_parameters_has_empty_arguments(client):
+    """A function without ``parameters`` takes none (OpenAI: an empty parameter list): a required call of it has
+    the arguments ``{}`` (patch 0063; its grammar allowed any JSON value, and the arguments were a JSON string)."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'ping', 'description': 'Ping.'}}]
+    for tool_choice in ('required', {'type': 'function', 'function': {'name': 'ping'}}):
+        choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Ping.'}], tools=tools,
+                                           tool_choice=tool_choice, max_tokens=64, temperature=0).choices[0]
+        assert choice.finish_reason == 'tool_calls' and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == 'ping' and json.loads(call.function.arguments) == {}, call
+
+
 def test_a_named_tool_choice_of_a_function_not_in_tools_is_400(client):
     """OpenAI refuses a tool_choice naming a function that is not among the tools; lmdeploy showed the model no tool
     and answered 200 (patch 0061)."""
