@@ -1,8 +1,9 @@
 """Seeded random traffic for a running api_server, to hunt the defects that only mixed, hostile traffic shows.
 
 Waves of 1 to 8 concurrent requests on ``/v1/chat/completions``, ``/v1/completions``, ``/generate`` and, where the
-server has it, the Responses API's ``/v1/responses``, each a random mix of what clients send: every
-``response_format`` kind and the guided fields of vLLM and SGLang, schemas built to hurt (recursive, deep, wide,
+server has them, the Responses API's ``/v1/responses`` and Anthropic's ``/v1/messages``, each a random mix of what
+clients send: every ``response_format`` kind (Anthropic's ``output_format``) and the guided fields of vLLM and
+SGLang, tools with every ``tool_choice``, schemas built to hurt (recursive, deep, wide,
 unsatisfiable, invalid), sampling settings in and out of range, ``n``, logprobs, stop words, penalties,
 ``min_new_tokens``, ``ignore_eos``, a ``session_id`` other requests may hold, prompts empty, long or made of token
 ids, streams read to the end or left after a few chunks. After each wave a guided greedy request must answer a valid
@@ -11,9 +12,11 @@ document. Run against a server of the CPU path (docs/en/developing.md)::
     .venv/bin/python tests/e2e/random_traffic.py --url http://127.0.0.1:23333 --seed 1 --seconds 600
 
 A failure is a request answered HTTP 5xx, a connection the server dropped, a stream that does not end with ``[DONE]``
-(a Responses API stream: with its status event) or carries an internal error, a request the engine could not sample
-(its logits held no finite value: through the API that is the engine's fault, not the request's), a guided answer that
-stopped but is not a valid document, or a wave's check request that does not answer one. Each is printed with its
+(a Responses API stream: with its status event; an Anthropic one: with ``message_stop`` or its error) or carries an
+internal error, a request the engine could not sample (its logits held no finite value: through the API that is the
+engine's fault, not the request's), a guided answer that stopped but is not a valid document, a forced tool call
+(``required``, ``any``, by name) that stopped without a call or whose call is not of an offered function with valid
+arguments, or a wave's check request that does not answer one. Each is printed with its
 request body (the seed replays the bodies, not the server's timing).
 ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few waves of it.
 """
@@ -86,6 +89,13 @@ HOSTILE_SCHEMAS = [
     {'type': 'array', 'minItems': 3, 'maxItems': 1},
     'not an object',
 ]
+YEAR = {'type': 'object', 'properties': {'year': {'type': 'integer', 'minimum': 1900, 'maximum': 2100}},
+        'required': ['year'], 'additionalProperties': False}
+#: functions of ``tools``: ``(name, parameters)``, the parameters None where the function has none (an empty
+#: object); checked like EXACT_SCHEMAS where they are among them
+FUNCTIONS = [('save_person', PERSON), ('save_year', YEAR), ('link', LINKED), ('ping', None),
+             ('no_args', {'type': 'object', 'properties': {}}), ('loop', HOSTILE_SCHEMAS[0]),
+             ('bad_type', HOSTILE_SCHEMAS[1]), ('never', HOSTILE_SCHEMAS[2])]
 REGEXES = ['[a-c]{3,9}', '(yes|no)', r'\d{1,3}(\.\d{1,3}){3}', '(', '', 'a{1000}']
 PROMPTS = ['hi', 'A JSON person, please.', '{"a":', 'Ünïcødé ✓ 日本語', '', 'x' * 300, 'word ' * 2000]
 
@@ -208,12 +218,67 @@ def text_format(fmt: dict | None) -> dict | None:
     return {'type': 'json_schema', 'name': fmt['json_schema']['name'], 'schema': fmt['json_schema']['schema']}
 
 
-def build(rng: random.Random, model: str,
-          responses: bool = False) -> tuple[str, dict, dict | None, Check, int | None]:
+def tools(rng: random.Random, hostile: bool) -> tuple[list[dict], str | dict | None]:
+    """OpenAI ``tools`` (1 to 3 of FUNCTIONS, ``strict`` or not) and a ``tool_choice`` (None: not sent): ``none``,
+    ``auto``, ``required``, one of them by name or, when ``hostile``, a name not among them or a malformed one."""
+    picked = rng.sample(FUNCTIONS, rng.randrange(1, 4))
+    out = []
+    for name, parameters in picked:
+        function: dict = {'name': name, 'description': f'{name.replace("_", " ")}.'}
+        if parameters is not None:
+            function['parameters'] = copy.deepcopy(parameters)
+        if rng.random() < 0.3:
+            function['strict'] = rng.choice([True, False])
+        out.append({'type': 'function', 'function': function})
+    choices: list = [None, 'none', 'auto', 'required', 'required',
+                     {'type': 'function', 'function': {'name': rng.choice(picked)[0]}}]
+    if hostile:
+        choices += [{'type': 'function', 'function': {'name': 'missing'}}, {'type': 'function'}, 'sometimes']
+    return out, rng.choice(choices)
+
+
+def anthropic_body(rng: random.Random, model: str, hostile: bool) -> tuple[dict, dict | None, Check]:
+    """A request of Anthropic's Messages API (``/v1/messages``): structured outputs (``output_format``), tools,
+    sampling; the chat ``response_format`` its output format stands for, and how its answer is checked."""
+    body: dict = {'model': model, 'max_tokens': rng.choice([1, 8, 24, 64]) if not hostile else rng.choice([0, 8]),
+                  'messages': [{'role': 'user', 'content': rng.choice(PROMPTS)}]}
+    if rng.random() < 0.5:
+        body['temperature'] = rng.choice([0, 0.5, 1.0] + ([-1.0, 3.0] if hostile else []))
+    if rng.random() < 0.2:
+        body['top_p'] = rng.choice([0.1, 0.9] + ([1.5] if hostile else []))
+    if rng.random() < 0.2:
+        body['top_k'] = rng.choice([1, 40] + ([-1] if hostile else []))
+    if rng.random() < 0.15:
+        body['stop_sequences'] = rng.choice([['"'], ['}', '\n'], []])
+    if rng.random() < 0.1:
+        body['system'] = 'Answer in JSON.'
+    fmt, check = None, None
+    pick = rng.random()
+    if pick < 0.5:
+        fmt, check = _schema_format(rng)
+        output_format = {'type': 'json_schema', 'schema': fmt['json_schema']['schema']}
+        if hostile and rng.random() < 0.3:
+            output_format = rng.choice([{'type': 'json_object'}, {'type': 'json_schema'}, {'type': 'text'}])
+            fmt, check = None, None
+        body['output_format'] = output_format
+    elif pick < 0.7:
+        openai_tools, choice = tools(rng, hostile)
+        body['tools'] = [{'name': t['function']['name'], 'description': t['function']['description'],
+                          'input_schema': t['function'].get('parameters', {'type': 'object'})} for t in openai_tools]
+        if choice in ('auto', 'required'):
+            body['tool_choice'] = {'type': 'any' if choice == 'required' else 'auto'}
+        elif isinstance(choice, dict) and 'function' in choice:
+            body['tool_choice'] = {'type': 'tool', 'name': choice['function']['name']}
+    return body, fmt, check
+
+
+def build(rng: random.Random, model: str, responses: bool = False,
+          messages: bool = False) -> tuple[str, dict, dict | None, Check, int | None]:
     """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``; with
-    ``responses``, of the Responses API (``/v1/responses``) too."""
+    ``responses``, of the Responses API (``/v1/responses``) too, with ``messages``, of Anthropic's Messages API
+    (``/v1/messages``) too."""
     endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate']
-                          + ['/v1/responses'] * responses)
+                          + ['/v1/responses'] * responses + ['/v1/messages'] * messages)
     hostile = rng.random() < 0.25
     params = sampling(rng, hostile)
     if endpoint == '/v1/chat/completions':
@@ -226,6 +291,10 @@ def build(rng: random.Random, model: str,
             body['top_logprobs'] = rng.choice([0, 1, 5, 20])
         if hostile and rng.random() < 0.1:
             body['messages'] = rng.choice([[], [{'role': 'user'}], 'hi'])
+        if rng.random() < 0.25:
+            body['tools'], choice = tools(rng, hostile)
+            if choice is not None:
+                body['tool_choice'] = choice
     elif endpoint == '/v1/completions':
         fields, fmt, check = guided_fields(rng)
         body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
@@ -243,6 +312,8 @@ def build(rng: random.Random, model: str,
             body['input'] = [{'role': 'user', 'content': rng.choice(PROMPTS)}]
         if fmt is not None:
             body['text'] = {'format': text_format(fmt)}
+    elif endpoint == '/v1/messages':
+        body, fmt, check = anthropic_body(rng, model, hostile)
     else:
         fields, fmt, check = guided_fields(rng)
         params.pop('n', None)
@@ -267,6 +338,9 @@ def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
         return [(c.get('text'), c.get('finish_reason')) for c in payload.get('choices', [])]
     if endpoint == '/v1/responses':
         return [(payload.get('output_text'), 'stop' if payload.get('status') == 'completed' else payload.get('status'))]
+    if endpoint == '/v1/messages':
+        text = ''.join(block.get('text', '') for block in payload.get('content') or [] if block.get('type') == 'text')
+        return [(text, 'stop' if payload.get('stop_reason') == 'end_turn' else payload.get('stop_reason'))]
     return [((c.get('message') or {}).get('content'), c.get('finish_reason')) for c in payload.get('choices', [])]
 
 
@@ -297,12 +371,80 @@ def check_document(text: str | None, fmt: dict, check: Check) -> str | None:
     return None
 
 
+_EXACT_PARAMETERS = [PERSON, YEAR, LINKED]
+
+
+def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None] | None:
+    """``({name: parameters}, the one name or None)`` of a request whose tool_choice forces a call (``required``,
+    Anthropic's ``any``, a named one), else None."""
+    choice = body.get('tool_choice')
+    if endpoint == '/v1/messages':
+        if not isinstance(choice, dict) or choice.get('type') not in ('any', 'tool'):
+            return None
+        return {t['name']: t['input_schema'] for t in body['tools']}, choice.get('name')
+    if choice != 'required' and not (isinstance(choice, dict) and isinstance(choice.get('function'), dict)):
+        return None
+    named = choice['function'].get('name') if isinstance(choice, dict) else None
+    return {t['function']['name']: t['function'].get('parameters') for t in body['tools']}, named
+
+
+def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
+    """What is wrong with the calls of a non-streamed answer whose tool_choice forces one, or None: a call of a
+    function not offered (or not the named one), arguments that are not a JSON object or not an instance of exact
+    parameters (a function without parameters: ``{}``), or an answer that stopped without a call. Answers cut by
+    ``max_tokens`` are not checked."""
+    forced = _forced_tools(endpoint, body)
+    if forced is None or body.get('stop') or body.get('stop_sequences'):
+        return None
+    functions, named = forced
+    if endpoint == '/v1/messages':
+        calls = [(b.get('name'), b.get('input')) for b in payload.get('content') or [] if b.get('type') == 'tool_use']
+        answers = [(payload.get('stop_reason'), calls)]
+    else:
+        answers = []
+        for c in payload.get('choices', []):
+            calls = [(t['function']['name'], t['function']['arguments'])
+                     for t in (c.get('message') or {}).get('tool_calls') or []]
+            answers.append((c.get('finish_reason'), calls))
+    for reason, calls in answers:
+        if reason not in ('stop', 'tool_calls', 'end_turn', 'tool_use'):
+            # cut by max_tokens: the call may be cut too
+            continue
+        if reason in ('stop', 'end_turn') and not calls:
+            return f'a forced tool call stopped without a call: {json.dumps(payload)[:300]}'
+        for name, arguments in calls:
+            if name not in functions or named is not None and name != named:
+                return f'a call of {name!r}, not of {named or sorted(functions)}'
+            try:
+                args = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError as e:
+                return f'the arguments of {name!r} are not JSON ({e}): {arguments!r}'
+            parameters = functions[name]
+            if parameters is not None and parameters not in _EXACT_PARAMETERS:
+                # hostile parameters ({"not": {}}: xgrammar drops "not" and allows any JSON value) are served with a
+                # warning, or refused when strict: their arguments need only be JSON
+                continue
+            if not isinstance(args, dict) or 'raw_arguments' in args:
+                return f'the arguments of {name!r} are not a JSON object: {arguments!r}'
+            if parameters is None and args != {}:
+                return f'{name!r} takes no parameters, its arguments: {arguments!r}'
+            if parameters in _EXACT_PARAMETERS:
+                try:
+                    jsonschema.validate(args, parameters)
+                except jsonschema.ValidationError as e:
+                    return f'the arguments of {name!r} are not valid ({e.message}): {arguments!r}'
+    return None
+
+
 async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: dict, fmt: dict | None, check: Check,
-               leave_after: int | None) -> Outcome:
-    """Send one request and judge what came back."""
+               leave_after: int | None, forced_tools: bool = True) -> Outcome:
+    """Send one request and judge what came back; with ``forced_tools``, the calls of a forced tool_choice too."""
     mode = 'left' if leave_after is not None else 'stream' if body.get('stream') else 'plain'
     try:
-        async with client.post(f'{base}{endpoint}', json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
+        # Anthropic's API requires its version header
+        headers = {'anthropic-version': '2023-06-01'} if endpoint == '/v1/messages' else None
+        async with client.post(f'{base}{endpoint}', json=body, headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=300)) as r:
             key = (endpoint, mode, r.status)
             if r.status >= 500:
                 return Outcome(key, f'HTTP {r.status}: {(await r.text())[:300]}', body)
@@ -317,9 +459,10 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                     chunks += 1
                     if leave_after is not None and chunks >= leave_after:
                         return Outcome(key, body=body)
-                    if line == b'data: [DONE]' or line.startswith(b'event: response.') and line.endswith(
-                            (b'.completed', b'.incomplete', b'.failed')):
-                        # the chat and completions streams end with [DONE], a Responses API stream with its status
+                    if line in (b'data: [DONE]', b'event: message_stop', b'event: error') or line.startswith(
+                            b'event: response.') and line.endswith((b'.completed', b'.incomplete', b'.failed')):
+                        # the chat and completions streams end with [DONE], a Responses API stream with its status,
+                        # an Anthropic one with message_stop (or its error)
                         done = True
                     elif b'"error"' in line and b'nternal' in line:
                         return Outcome(key, f'an internal error in the stream: {line[:300]!r}', body)
@@ -331,7 +474,11 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
             payload = await r.json(content_type=None)
             if UNSAMPLEABLE in json.dumps(payload):
                 return Outcome(key, f'unsampleable logits: {json.dumps(payload)[:300]}', body)
-            stop_words = body.get('stop') or body.get('include_stop_str_in_output')
+            if forced_tools and body.get('tools'):
+                problem = check_tool_calls(endpoint, body, payload)
+                if problem is not None:
+                    return Outcome((endpoint, mode, 'invalid call'), problem, body)
+            stop_words = body.get('stop') or body.get('include_stop_str_in_output') or body.get('stop_sequences')
             if check is not None and not stop_words:
                 for text, reason in _texts(endpoint, payload):
                     if reason == 'stop' and text is not None:
@@ -381,17 +528,18 @@ async def _model(client: aiohttp.ClientSession, base: str, wait_s: float, out) -
         await asyncio.sleep(2)
 
 
-async def _has_responses(client: aiohttp.ClientSession, base: str) -> bool:
-    """Whether the server has the Responses API (``/v1/responses`` among its OpenAPI paths)."""
+async def _paths(client: aiohttp.ClientSession, base: str) -> dict:
+    """The server's OpenAPI paths (``/openapi.json``)."""
     async with client.get(f'{base}/openapi.json', timeout=aiohttp.ClientTimeout(total=30)) as r:
-        return r.status == 200 and '/v1/responses' in (await r.json()).get('paths', {})
+        return (await r.json()).get('paths', {}) if r.status == 200 else {}
 
 
 async def run(base: str, seed: int, *, requests: int | None = None, seconds: float | None = None,
-              wait_s: float = 0, out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
+              wait_s: float = 0, forced_tools: bool = True, out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
     """Waves of random requests until ``requests`` were sent or ``seconds`` passed: ``(outcomes, failures)``, the
     failed check requests among the failures. Progress goes to ``out`` after each wave. A server that does not
-    answer yet is waited for up to ``wait_s``."""
+    answer yet is waited for up to ``wait_s``. Without ``forced_tools`` the calls of a forced ``tool_choice`` are
+    not checked (lmdeploy 0.14.0 does not enforce it)."""
     rng = random.Random(seed)
     outcomes_all: list[Outcome] = []
     failures: list[Outcome] = []
@@ -400,14 +548,15 @@ async def run(base: str, seed: int, *, requests: int | None = None, seconds: flo
     # ("Can not write request body", once in 392 requests): a race of the client's pool, not of the server
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3)) as client:
         model = await _model(client, base, wait_s, out)
-        responses = await _has_responses(client, base)
+        paths = await _paths(client, base)
+        extra = dict(responses='/v1/responses' in paths, messages='/v1/messages' in paths)
         start = time.monotonic()
         sent, wave = 0, 0
         while (requests is None or sent < requests) and (seconds is None or time.monotonic() - start < seconds):
             size = rng.randrange(1, 9)
             if requests is not None:
                 size = min(size, requests - sent)
-            outcomes = await asyncio.gather(*[send(client, base, *build(rng, model, responses))
+            outcomes = await asyncio.gather(*[send(client, base, *build(rng, model, **extra), forced_tools)
                                               for _ in range(size)])
             sent += size
             wave += 1
@@ -448,11 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--requests', type=int, default=None, help='stop after this many requests')
     parser.add_argument('--wait', type=float, default=600,
                         help='seconds to wait for a server that is still starting (default: %(default)s)')
+    parser.add_argument('--tool-choice-unenforced', action='store_true',
+                        help="don't check the calls of tool_choice required / any / by name: the server does not "
+                             'enforce them (lmdeploy 0.14.0)')
     args = parser.parse_args(argv)
     if args.seconds is None and args.requests is None:
         args.seconds = 300
     outcomes, failures = asyncio.run(run(args.url.rstrip('/'), args.seed, requests=args.requests,
-                                         seconds=args.seconds, wait_s=args.wait))
+                                         seconds=args.seconds, wait_s=args.wait,
+                                         forced_tools=not args.tool_choice_unenforced))
     report(outcomes, failures)
     return 1 if failures else 0
 

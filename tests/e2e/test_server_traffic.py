@@ -644,6 +644,21 @@ def test_the_anthropic_messages_api_follows_output_format(server):
     assert server[0].poll() is None
 
 
+@pytest.mark.parametrize('field, value, stream', [('temperature', -1.0, False), ('temperature', 3.0, True),
+                                                  ('top_p', 1.5, False), ('top_p', -0.1, True), ('top_k', -1, False)])
+def test_the_anthropic_messages_api_refuses_sampling_out_of_range_with_400(server, field, value, stream):
+    """A ``temperature`` outside Anthropic's [0, 1], a ``top_p`` outside [0, 1] or a negative ``top_k`` on
+    ``/v1/messages`` is HTTP 400 naming the field, streamed or not (0.14.0 patch 0073: HTTP 500, an assertion of
+    lmdeploy's GenerationConfig; 0.18.0 checks them), and the server serves on."""
+    _, model = _client(server)
+    body = {'model': model, 'max_tokens': 8, 'messages': [{'role': 'user', 'content': 'Hi.'}], field: value,
+            'stream': stream}
+    status, answer = _anthropic_message(server, body)
+    assert status == 400 and answer['type'] == 'error' and field in answer['error']['message'], answer
+    status, answer = _anthropic_message(server, {**body, field: 0.5 if field != 'top_k' else 4, 'stream': False})
+    assert status == 200 and answer['stop_reason'] in ('end_turn', 'max_tokens'), answer
+
+
 def test_an_api_server_killed_outright_leaves_no_process_behind(cpu_path, tmp_path):
     """An api_server killed outright (the OOM killer, ``kill -9``) left lmdeploy's engine process running on its
     own: on a GPU the model and the KV cache stay taken, and a server started again does not find the memory. The
