@@ -31,7 +31,11 @@ What is named, each with an instance xgrammar accepts although the schema forbid
 """
 from __future__ import annotations
 
-__all__ = ['KNOWN_FORMATS', 'unenforced_keywords']
+from collections.abc import Mapping
+
+from .depth import depth_error, tag_schemas
+
+__all__ = ['KNOWN_FORMATS', 'unenforced_keywords', 'tag_unenforced_keywords', 'strict_tool_error']
 
 # formats whose grammar xgrammar builds (a violating string is rejected); any other format constrains nothing
 KNOWN_FORMATS = frozenset({'email', 'date', 'date-time', 'time', 'duration', 'uuid', 'ipv4', 'ipv6', 'hostname',
@@ -181,3 +185,47 @@ def unenforced_keywords(schema) -> list[str]:
     found: list[str] = []
     _walk(schema, '', found)
     return found
+
+
+def _servable(schema) -> bool:
+    """Whether ``schema`` is an object within the entry check's nesting limit (a deeper one is refused there; the
+    walk here recurses)."""
+    return isinstance(schema, Mapping) and depth_error({'type': 'json_schema',
+                                                        'json_schema': {'schema': schema}}) is None
+
+
+def tag_unenforced_keywords(tag) -> list[str]:
+    """:func:`unenforced_keywords` of every ``json_schema`` format in an xgrammar structural tag (e.g. the tools'
+    parameters lmdeploy puts in one for ``tool_choice="required"``), in the order of :func:`~.depth.tag_schemas`;
+    schemas past the nesting limit are skipped (the entry check refuses them)."""
+    if not isinstance(tag, Mapping):
+        return []
+    return [keyword for schema in tag_schemas(dict(tag)) if _servable(schema)
+            for keyword in unenforced_keywords(schema)]
+
+
+def strict_tool_error(tools) -> str | None:
+    """Why a forced call of ``tools`` cannot be served as the tools ask, or None.
+
+    OpenAI's ``strict: true`` on a function asks for arguments that satisfy its ``parameters``. A forced call
+    (``tool_choice="required"`` or by name) constrains them with a grammar; a strict function whose parameters use
+    keywords xgrammar does not enforce would get arguments that may not satisfy them, as a strict ``json_schema``
+    response format would (which the entry check refuses).
+
+    Parameters
+    ----------
+    tools : list of dict
+        OpenAI tools, ``{"type": "function", "function": {"name", "parameters", "strict"}}``; other entries and
+        functions without ``strict: true`` are skipped, and so are parameters past the nesting limit.
+    """
+    for tool in tools or ():
+        function = tool.get('function') if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or function.get('strict') is not True:
+            continue
+        parameters = function.get('parameters')
+        keywords = unenforced_keywords(parameters) if _servable(parameters) else []
+        if keywords:
+            return (f'the function {function.get("name")!r} is strict, but the grammar compiler does not enforce '
+                    f'{"; ".join(keywords)} in its parameters. Remove these keywords, or set strict to false to accept '
+                    'arguments that follow the rest of the schema')
+    return None

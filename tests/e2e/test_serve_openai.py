@@ -363,6 +363,33 @@ def test_unenforced_keyword_without_strict_is_served_with_a_warning(client, serv
     assert re.search(r'WARNING.*does not enforce.*not at #/properties/age', log), log[-3000:]
 
 
+@pytest.mark.parametrize('tool_choice', ['required', {'type': 'function', 'function': {'name': 'save_age'}}],
+                         ids=['required', 'named'])
+def test_a_strict_tool_whose_parameters_use_unenforced_keywords_is_400(client, server, tool_choice):
+    """OpenAI's ``strict: true`` on a function asks for arguments that satisfy its parameters. A forced call
+    (``required``, named) constrains them with a grammar; with keywords the grammar does not enforce (``not``) the
+    request is HTTP 400 naming them, as a strict ``response_format`` is (patch 0064: lmdeploy's request model dropped
+    ``strict`` and the call was served unchecked). Without ``strict`` the call is served, the rest of the schema
+    holds, and the log warns."""
+    c, model = client
+    function = {'name': 'save_age', 'parameters': UNENFORCED}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save an age.'}],
+                                  tools=[{'type': 'function', 'function': {**function, 'strict': True}}],
+                                  tool_choice=tool_choice, max_tokens=64, temperature=0)
+    assert err.value.status_code == 400 and 'save_age' in err.value.message and 'not at' in err.value.message, \
+        err.value
+    choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save an age.'}],
+                                       tools=[{'type': 'function', 'function': function}], tool_choice=tool_choice,
+                                       max_tokens=64, temperature=0).choices[0]
+    assert choice.finish_reason == 'tool_calls' and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == {'age'} and 0 <= arguments['age'] <= 9, call
+    log = server['log'].read_text()
+    assert re.search(r'WARNING.*structural tag.*does not enforce.*not at #/properties/age', log), log[-3000:]
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:

@@ -16,7 +16,12 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from lmdeploy_guided_spec.regular import exact_patterns_grammar
-from lmdeploy_guided_spec.unenforced import KNOWN_FORMATS, unenforced_keywords
+from lmdeploy_guided_spec.unenforced import (
+    KNOWN_FORMATS,
+    strict_tool_error,
+    tag_unenforced_keywords,
+    unenforced_keywords,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -176,3 +181,46 @@ def test_real_world_schemas_are_read_without_error():
     for path in paths:
         schema = json.loads(Path(path).read_text())
         assert isinstance(unenforced_keywords(schema), list)
+
+
+AGE_NOT_3 = {'type': 'object', 'properties': {'age': {'type': 'integer', 'not': {'const': 3}}}, 'required': ['age']}
+
+
+def _tool(name, parameters, **extra):
+    return {'type': 'function', 'function': {'name': name, 'parameters': parameters, **extra}}
+
+
+def _deep(levels: int) -> dict:
+    schema: dict = {'not': {}}
+    for _ in range(levels):
+        schema = {'items': schema}
+    return schema
+
+
+def test_a_strict_tool_with_unenforced_keywords_is_named():
+    """strict_tool_error names the strict function whose parameters use a keyword xgrammar drops, and where."""
+    message = strict_tool_error([_tool('fine', {'type': 'object'}, strict=True), _tool('age', AGE_NOT_3, strict=True)])
+    assert message is not None and "'age' is strict" in message and 'not at #/properties/age' in message, message
+
+
+@pytest.mark.parametrize('tools', [
+    [_tool('age', AGE_NOT_3)], [_tool('age', AGE_NOT_3, strict=False)],
+    [_tool('fine', {'type': 'object'}, strict=True)], [_tool('none', None, strict=True)], [{'type': 'web_search'}],
+    None, [],
+    # past the nesting limit: the entry check refuses it (the walk would recurse thousands of levels)
+    [_tool('deep', _deep(3000), strict=True)],
+], ids=['not strict', 'strict false', 'enforced', 'no parameters', 'not a function', 'none', 'empty', 'too deep'])
+def test_other_tools_pass(tools):
+    assert strict_tool_error(tools) is None
+
+
+def test_the_schemas_of_a_structural_tag_are_walked():
+    """Each json_schema format of an xgrammar structural tag (as lmdeploy builds them of the tools) is walked."""
+    tag = {'type': 'structural_tag', 'format': {'type': 'triggered_tags', 'triggers': ['<tool_call>'], 'tags': [
+        {'begin': '<tool_call>{"name": "a", "arguments": ', 'end': '}</tool_call>',
+         'content': {'type': 'json_schema', 'json_schema': AGE_NOT_3}},
+        {'begin': '<tool_call>{"name": "b", "arguments": ', 'end': '}</tool_call>',
+         'content': {'type': 'json_schema', 'json_schema': {'type': 'array', 'uniqueItems': True}}}]}}
+    assert sorted(tag_unenforced_keywords(tag)) == ['not at #/properties/age', 'uniqueItems at #']
+    assert tag_unenforced_keywords({'type': 'structural_tag', 'format': {'type': 'const_string', 'value': 'x'}}) == []
+    assert tag_unenforced_keywords('not a tag') == []
