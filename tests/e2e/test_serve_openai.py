@@ -390,6 +390,21 @@ def test_a_strict_tool_whose_parameters_use_unenforced_keywords_is_400(client, s
     assert re.search(r'WARNING.*structural tag.*does not enforce.*not at #/properties/age', log), log[-3000:]
 
 
+def test_the_responses_api_keeps_the_strict_of_a_tool(client):
+    """The Responses API's function tools carry ``strict`` too (patch 0064): a forced call of a strict one whose
+    parameters use keywords the grammar does not enforce is HTTP 400; without ``strict`` it is served."""
+    c, model = client
+    tool = {'type': 'function', 'name': 'save_age', 'parameters': UNENFORCED}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model=model, input='Save an age.', tools=[{**tool, 'strict': True}],
+                           tool_choice='required', max_output_tokens=64, temperature=0)
+    assert err.value.status_code == 400 and 'save_age' in err.value.message, err.value
+    response = c.responses.create(model=model, input='Save an age.', tools=[{**tool, 'strict': False}],
+                                  tool_choice='required', max_output_tokens=64, temperature=0)
+    calls = [item for item in response.output if item.type == 'function_call']
+    assert calls and all(call.name == 'save_age' for call in calls), response.output
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:
