@@ -312,6 +312,14 @@ def build(rng: random.Random, model: str, responses: bool = False,
             body['input'] = [{'role': 'user', 'content': rng.choice(PROMPTS)}]
         if fmt is not None:
             body['text'] = {'format': text_format(fmt)}
+        if rng.random() < 0.2:
+            # the Responses API's function tools are flat: {"type": "function", "name", "parameters", "strict"}
+            openai_tools, choice = tools(rng, hostile)
+            body['tools'] = [{'type': 'function', **t['function']} for t in openai_tools]
+            if isinstance(choice, dict) and isinstance(choice.get('function'), dict):
+                choice = {'type': 'function', **choice['function']}
+            if choice is not None:
+                body['tool_choice'] = choice
     elif endpoint == '/v1/messages':
         body, fmt, check = anthropic_body(rng, model, hostile)
     else:
@@ -382,6 +390,11 @@ def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None] | None:
         if not isinstance(choice, dict) or choice.get('type') not in ('any', 'tool'):
             return None
         return {t['name']: t['input_schema'] for t in body['tools']}, choice.get('name')
+    if endpoint == '/v1/responses':
+        if choice != 'required' and not (isinstance(choice, dict) and 'name' in choice):
+            return None
+        named = choice.get('name') if isinstance(choice, dict) else None
+        return {t['name']: t.get('parameters') for t in body['tools']}, named
     if choice != 'required' and not (isinstance(choice, dict) and isinstance(choice.get('function'), dict)):
         return None
     named = choice['function'].get('name') if isinstance(choice, dict) else None
@@ -400,6 +413,10 @@ def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
     if endpoint == '/v1/messages':
         calls = [(b.get('name'), b.get('input')) for b in payload.get('content') or [] if b.get('type') == 'tool_use']
         answers = [(payload.get('stop_reason'), calls)]
+    elif endpoint == '/v1/responses':
+        calls = [(item.get('name'), item.get('arguments')) for item in payload.get('output') or []
+                 if item.get('type') == 'function_call']
+        answers = [('stop' if payload.get('status') == 'completed' else payload.get('status'), calls)]
     else:
         answers = []
         for c in payload.get('choices', []):
