@@ -16,8 +16,8 @@ A failure is a request answered HTTP 5xx, a connection the server dropped, a str
 internal error, a request the engine could not sample (its logits held no finite value: through the API that is the
 engine's fault, not the request's), a guided answer that stopped but is not a valid document, a forced tool call
 (``required``, ``any``, by name) that stopped without a call or whose call is not of an offered function with valid
-arguments, or a wave's check request that does not answer one. Each is printed with its
-request body (the seed replays the bodies, not the server's timing).
+arguments (streamed or not: a stream's deltas are joined), or a wave's check request that does not answer one. Each
+is printed with its request body (the seed replays the bodies, not the server's timing).
 ``tests/e2e/test_server_traffic.py::test_random_traffic`` runs a few waves of it.
 """
 from __future__ import annotations
@@ -401,6 +401,42 @@ def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None] | None:
     return {t['function']['name']: t['function'].get('parameters') for t in body['tools']}, named
 
 
+def streamed_answer(endpoint: str, events: list[dict]) -> dict:
+    """The answer a stream's events (its ``data:`` objects) add up to, in the shape of the non-streamed answer, as
+    far as :func:`check_tool_calls` reads it: the chat choices' tool calls (name and the arguments' deltas joined)
+    and finish reasons, the Responses API's completed response, Anthropic's tool_use blocks (their input's JSON
+    deltas joined) and stop reason."""
+    if endpoint == '/v1/responses':
+        done = [e['response'] for e in events if e.get('type') in ('response.completed', 'response.incomplete')
+                and isinstance(e.get('response'), dict)]
+        return done[-1] if done else {}
+    if endpoint == '/v1/messages':
+        blocks: dict = {}
+        answer: dict = {'content': []}
+        for e in events:
+            if e.get('type') == 'content_block_start' and (e.get('content_block') or {}).get('type') == 'tool_use':
+                blocks[e['index']] = {'type': 'tool_use', 'name': e['content_block'].get('name'), 'json': ''}
+            elif e.get('type') == 'content_block_delta' and e.get('index') in blocks:
+                blocks[e['index']]['json'] += (e.get('delta') or {}).get('partial_json') or ''
+            elif e.get('type') == 'message_delta':
+                answer['stop_reason'] = (e.get('delta') or {}).get('stop_reason')
+        answer['content'] = [{'type': 'tool_use', 'name': b['name'], 'input': b['json'] or '{}'}
+                             for _, b in sorted(blocks.items())]
+        return answer
+    choices: dict = {}
+    for e in events:
+        for c in e.get('choices') or []:
+            choice = choices.setdefault(c.get('index', 0), {'calls': {}, 'finish_reason': None})
+            for call in (c.get('delta') or {}).get('tool_calls') or []:
+                entry = choice['calls'].setdefault(call.get('index', 0), {'name': None, 'arguments': ''})
+                function = call.get('function') or {}
+                entry['name'] = entry['name'] or function.get('name')
+                entry['arguments'] += function.get('arguments') or ''
+            choice['finish_reason'] = c.get('finish_reason') or choice['finish_reason']
+    return {'choices': [{'finish_reason': c['finish_reason'], 'message': {'tool_calls': [
+        {'function': call} for _, call in sorted(c['calls'].items())]}} for _, c in sorted(choices.items())]}
+
+
 def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
     """What is wrong with the calls of a non-streamed answer whose tool_choice forces one, or None: a call of a
     function not offered (or not the named one), arguments that are not a JSON object or not an instance of exact
@@ -468,7 +504,7 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
             if r.status != 200:
                 return Outcome(key, body=body, refusal=_message(await r.text()))
             if body.get('stream'):
-                chunks, done = 0, False
+                chunks, done, events = 0, False, []
                 async for line in r.content:
                     line = line.strip()
                     if not line:
@@ -476,6 +512,11 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                     chunks += 1
                     if leave_after is not None and chunks >= leave_after:
                         return Outcome(key, body=body)
+                    if line.startswith(b'data: {'):
+                        try:
+                            events.append(json.loads(line[6:]))
+                        except json.JSONDecodeError:
+                            return Outcome(key, f'a stream event that is not JSON: {line[:300]!r}', body)
                     if line in (b'data: [DONE]', b'event: message_stop', b'event: error') or line.startswith(
                             b'event: response.') and line.endswith((b'.completed', b'.incomplete', b'.failed')):
                         # the chat and completions streams end with [DONE], a Responses API stream with its status,
@@ -487,6 +528,10 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
                         return Outcome(key, f'unsampleable logits: {line[:300]!r}', body)
                 if not done:
                     return Outcome(key, 'the stream ended without [DONE]', body)
+                if forced_tools and body.get('tools'):
+                    problem = check_tool_calls(endpoint, body, streamed_answer(endpoint, events))
+                    if problem is not None:
+                        return Outcome((endpoint, mode, 'invalid call'), problem, body)
                 return Outcome(key, body=body)
             payload = await r.json(content_type=None)
             if UNSAMPLEABLE in json.dumps(payload):
