@@ -73,6 +73,37 @@ def test_clients_that_disconnect_mid_stream(server):
     check_valid(text, fmt)
 
 
+def test_streams_of_several_choices_whose_client_leaves_end_quietly(server):
+    """Streamed chat requests with ``n=2`` (lmdeploy 0.18.0 fans each out into one request per choice) whose client
+    leaves after a few chunks: their requests end (none runs on), the server serves on, and the log holds no
+    traceback of closing the stream. 0.18.0 closed a choice's stream that its cancelled reader was still running:
+    "Close response body iterator failed ... RuntimeError: aclose(): asynchronous generator is already running" at
+    ERROR, for most such disconnects (patch 0065)."""
+    proc, base, log = server
+    start = len(log.read_bytes())
+    api = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0, timeout=120)
+    model = api.models.list().data[0].id
+    for i in range(8):
+        stream = api.chat.completions.create(
+            model=model, messages=[{'role': 'user', 'content': f'Leave {i}.'}], n=2, max_tokens=64, stream=True,
+            temperature=0.8, response_format=response_format('json_schema'))
+        for seen, _ in enumerate(stream):
+            if seen == 1 + i % 3:
+                break
+        stream.close()
+    # every choice's request ended (none runs on after its client left)
+    deadline = time.monotonic() + 60
+    while metric(base, 'num_requests_running') > 0 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert metric(base, 'num_requests_running') == 0
+    fmt, text, reason = asyncio.run(traffic.one(base, 'json_schema'))
+    assert reason == 'stop', text
+    check_valid(text, fmt)
+    assert proc.poll() is None and traffic.health(base) == 200
+    tail = log.read_bytes()[start:].decode(errors='replace')
+    assert 'Close response body iterator failed' not in tail and 'already running' not in tail, tail[-3000:]
+
+
 def test_hostile_requests(server):
     proc, base, log = server
     client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
