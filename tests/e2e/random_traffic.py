@@ -481,7 +481,7 @@ def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
                 return f'the arguments of {name!r} are not a JSON object: {arguments!r}'
             if parameters is None and args != {}:
                 return f'{name!r} takes no parameters, its arguments: {arguments!r}'
-            if parameters in _EXACT_PARAMETERS:
+            if parameters is not None:
                 try:
                     jsonschema.validate(args, parameters)
                 except jsonschema.ValidationError as e:
