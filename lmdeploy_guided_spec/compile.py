@@ -54,6 +54,7 @@ from .errors import (
     xgrammar_reason,
 )
 from .forkserver import ForkedProcess, end_with_parent, fork_server, start_interpreter
+from .tool_calls import document_or_calls_tag
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
@@ -145,6 +146,8 @@ KINDS = {
     'builtin_json': frozenset(),
     'ebnf': frozenset({'root_rule_name'}),
     'structural_tag': frozenset(),
+    # a document or tool calls (tool_calls.py): the source of tool_calls.document_or_calls_source
+    'document_or_calls': frozenset(),
 }
 
 # A child of the fork server (forkserver.py), else a plain interpreter; not multiprocessing's spawn: spawn re-imports
@@ -398,6 +401,8 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, source: str | None, optio
         return compiler.compile_builtin_json_grammar()
     if kind == 'structural_tag':
         return compiler.compile_structural_tag(source)
+    if kind == 'document_or_calls':
+        return compiler.compile_structural_tag(json.dumps(document_or_calls_tag(source)))
     return compiler.compile_grammar(source, **options)
 
 
@@ -411,6 +416,8 @@ def _parse(kind: str, source: str | None, options: dict) -> xgr.Grammar:
         return xgr.Grammar.builtin_json_grammar()
     if kind == 'structural_tag':
         return xgr.Grammar.from_structural_tag(source)
+    if kind == 'document_or_calls':
+        return xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(source)))
     return xgr.Grammar.from_ebnf(source, **options)
 
 
@@ -730,11 +737,12 @@ class GrammarCompileService:
 
         Parameters
         ----------
-        kind : {'json_schema', 'regex', 'builtin_json', 'ebnf', 'structural_tag'}
+        kind : {'json_schema', 'regex', 'builtin_json', 'ebnf', 'structural_tag', 'document_or_calls'}
             What ``source`` is. ``builtin_json`` (any JSON value) takes no source.
         source : str or dict, optional
             The JSON schema (text or parsed), regex, EBNF grammar or xgrammar structural tag (text or parsed: the
-            whole tag, ``{"type": "structural_tag", "format": ...}``).
+            whole tag, ``{"type": "structural_tag", "format": ...}``); for ``document_or_calls``, a document or
+            tool calls (:func:`~lmdeploy_guided_spec.tool_calls.document_or_calls_source`).
         **options
             Keywords of the matching ``GrammarCompiler`` method: for ``json_schema`` ``any_whitespace``,
             ``indent``, ``separators``, ``strict_mode``, ``max_whitespace_cnt``, ``any_order``; for ``ebnf``
@@ -969,8 +977,8 @@ class GrammarCompileService:
             raise TypeError(f'grammar kind {kind!r} takes no option(s) {sorted(unknown)}; it takes {sorted(allowed)}')
         if kind == 'builtin_json':
             return kind, None, {}
-        if isinstance(source, (dict, list, bool)) and kind in ('json_schema', 'structural_tag'):
-            source = json.dumps(source)
+        if isinstance(source, (dict, list, bool)) and kind in ('json_schema', 'structural_tag', 'document_or_calls'):
+            source = json.dumps(source, sort_keys=kind == 'document_or_calls')
         if not isinstance(source, str):
             raise ValueError(f'a {kind} grammar needs its source as a string, got {type(source).__name__}')
         if 'separators' in options and options['separators'] is not None:

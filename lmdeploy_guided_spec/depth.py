@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from .env import positive_from_env, warn_bad_setting_once
+from .tool_calls import CALLS_KEY
 
 __all__ = ['DEFAULT_MAX_DEPTH', 'MAX_DEPTH_ENV', 'depth_error', 'max_depth', 'nesting_depth']
 
@@ -100,14 +101,20 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
         schema an object or a JSON string, under ``schema`` or ``json_schema``, or ``json_schema`` itself; or an
         xgrammar structural tag, ``{"type": "structural_tag", ...}``: the whole tag against twice the limit, each
         ``json_schema`` format in it against the limit); other types, and shapes the entry check refuses on other
-        grounds, yield None.
+        grounds, yield None. The format of the tool calls that may stand instead of the document
+        (:data:`~lmdeploy_guided_spec.tool_calls.CALLS_KEY`) counts as a structural tag.
     limit : int, optional
         The deepest nesting allowed; by default :func:`max_depth`.
     """
     if not isinstance(response_format, dict):
         return None
-    kind = response_format.get('type')
     limit = _limit() if limit is None else limit
+    calls = response_format.get(CALLS_KEY)
+    if isinstance(calls, dict):
+        problem = _tag_depth_error(calls, limit, "the tools' calls", 'the parameters of a tool')
+        if problem is not None:
+            return problem
+    kind = response_format.get('type')
     if kind == 'json_schema':
         # where lmdeploy reads the schema: json_schema.json_schema, json_schema.schema, or json_schema itself
         schema = response_format.get('json_schema')
@@ -121,14 +128,18 @@ def depth_error(response_format, limit: int | None = None) -> str | None:
         return None
     if kind != 'structural_tag':
         return None
+    return _tag_depth_error(response_format, limit, 'the structural_tag', 'a json_schema of the structural_tag')
+
+
+def _tag_depth_error(tag: dict, limit: int, whole: str, each: str) -> str | None:
     # a structural tag's formats nest in one another (tags, sequences, triggers): the whole tag gets twice the limit,
     # and every json_schema in it the limit of one (lmdeploy 0.18 builds tags of the tools' parameters for
     # tool_choice="required", and wraps a client's json_schema in one for GPT-OSS)
-    if nesting_depth(response_format, stop_after=2 * limit) > 2 * limit:
-        return _too_deep('the structural_tag', 2 * limit)
-    for schema in tag_schemas(response_format):
+    if nesting_depth(tag, stop_after=2 * limit) > 2 * limit:
+        return _too_deep(whole, 2 * limit)
+    for schema in tag_schemas(tag):
         if nesting_depth(schema, stop_after=limit) > limit:
-            return _too_deep('a json_schema of the structural_tag', limit)
+            return _too_deep(each, limit)
     return None
 
 

@@ -129,6 +129,19 @@ def test_the_schemas_of_a_structural_tag_have_the_limit_of_a_json_schema():
         f'{2 * DEFAULT_MAX_DEPTH} levels' in message
 
 
+def test_the_calls_beside_a_document_have_the_limit_of_a_structural_tag():
+    """A response format beside tools the model may call carries the format of the calls (lmdeploy_guided_spec.
+    tool_calls): their parameters get the limit of a json_schema, named as the tools'."""
+    for document in (_format(_chain(3)), {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': 'a+'}):
+        served = {**document, 'tool_calls': _required_tool_call(_chain(3))['format']}
+        assert depth_error(served) is None
+        message = depth_error({**document, 'tool_calls': _required_tool_call(_chain(40))['format']})
+        assert message is not None and message.startswith('the parameters of a tool nests'), message
+    # the document's own limit holds beside calls
+    message = depth_error({**_format(_chain(40)), 'tool_calls': _required_tool_call(_chain(3))['format']})
+    assert message is not None and message.startswith('the json_schema nests'), message
+
+
 def test_the_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(MAX_DEPTH_ENV, '4')
     assert max_depth() == 4

@@ -1,0 +1,80 @@
+"""A document or tool calls: the grammar of a response format beside tools the model may call.
+
+OpenAI's Chat Completions API takes a ``response_format`` and ``tools`` together: with ``tool_choice="auto"`` the
+answer is either calls of the tools or a message in the format. A grammar of the format alone covers the whole
+output, so a call can never start (lmdeploy, vLLM). The grammar here accepts exactly one of the two: the document,
+as the compile service compiles the format alone (the exact pattern rules and the whitespace option of
+:mod:`.regular` kept), or the calls, as the structural tag a tool parser builds for ``tool_choice="required"``
+(xgrammar's ``get_model_structural_tag``: text after the calls is free, as it is there).
+
+A response format carries the calls' format under :data:`CALLS_KEY`; the compile service's kind
+``document_or_calls`` takes :func:`document_or_calls_source`. The document's grammar is written out as EBNF (a
+``grammar`` element of an xgrammar ``or``): inside a structural tag, a ``json_schema`` element has no separators
+option and xgrammar's own rules of patterns and bounded strings.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ['CALLS_KEY', 'DOCUMENT_KINDS', 'document_grammar', 'document_or_calls_source', 'document_or_calls_tag']
+
+#: The key of a response format (lmdeploy's dict) that holds the format of the calls that may stand instead of the
+#: document: the ``format`` of the structural tag of the tools' calls.
+CALLS_KEY = 'tool_calls'
+
+#: Grammar kinds of the compile service a document may be.
+DOCUMENT_KINDS = ('json_schema', 'regex', 'builtin_json')
+
+
+def document_grammar(kind: str, source: str | dict | None, options: dict | None = None) -> str:
+    """The EBNF text of the grammar the compile service compiles for ``(kind, source, options)``: a JSON schema
+    with the exact rules of :func:`.regular.exact_patterns_grammar` where it needs them, a regex as the
+    deterministic grammar of :func:`.regular.deterministic_grammar` where there is one, any JSON value.
+
+    Raises ``ValueError`` for a kind that is not a document's and xgrammar's ``RuntimeError`` for a source that does
+    not parse; converting a schema costs what compiling it does (seconds for a hostile one): call it off the event
+    loop, in the compile service (kind ``document_or_calls``).
+    """
+    # here, not at the top: depth.py reads CALLS_KEY where a request enters, without xgrammar
+    import xgrammar as xgr
+
+    from . import regular
+    options = dict(options or {})
+    if kind == 'json_schema':
+        if isinstance(source, (dict, list, bool)):
+            source = json.dumps(source)
+        if 'separators' in options and options['separators'] is not None:
+            options['separators'] = tuple(options['separators'])
+        ebnf = regular.exact_patterns_grammar(source, **options)
+        return ebnf if ebnf is not None else str(xgr.Grammar.from_json_schema(source, **options))
+    if options:
+        raise ValueError(f'a {kind} document takes no options, got {sorted(options)}')
+    if kind == 'regex':
+        ebnf = regular.deterministic_grammar(source)
+        return ebnf if ebnf is not None else str(xgr.Grammar.from_regex(source))
+    if kind == 'builtin_json':
+        return str(xgr.Grammar.builtin_json_grammar())
+    raise ValueError(f'a document is one of {", ".join(DOCUMENT_KINDS)}, not {kind!r}')
+
+
+def document_or_calls_source(kind: str, source: str | dict | None, options: dict | None, calls: dict) -> str:
+    """The source of the compile service's kind ``document_or_calls``: the document's ``(kind, source, options)``
+    and the calls' format, as JSON text (the key of the service's cache)."""
+    if isinstance(source, (dict, list, bool)):
+        source = json.dumps(source)
+    return json.dumps({'document': {'kind': kind, 'source': source, 'options': dict(options or {})},
+                       'calls': calls}, sort_keys=True)
+
+
+def document_or_calls_tag(source: str | dict) -> dict:
+    """The xgrammar structural tag of a :func:`document_or_calls_source`: ``or`` of the document's grammar
+    (:func:`document_grammar`) and the calls' format. Raises ``ValueError`` for a malformed source."""
+    parsed = json.loads(source) if isinstance(source, str) else source
+    if not isinstance(parsed, dict) or not isinstance(parsed.get('document'), dict) or not isinstance(
+            parsed.get('calls'), dict):
+        raise ValueError('a document_or_calls source is {"document": {"kind", "source", "options"}, "calls": {...}}')
+    document: dict[str, Any] = parsed['document']
+    ebnf = document_grammar(document.get('kind'), document.get('source'), document.get('options'))
+    return {'type': 'structural_tag', 'format': {'type': 'or', 'elements': [
+        {'type': 'grammar', 'grammar': ebnf}, parsed['calls']]}}
