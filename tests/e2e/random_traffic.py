@@ -345,6 +345,8 @@ def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
     if endpoint == '/v1/completions':
         return [(c.get('text'), c.get('finish_reason')) for c in payload.get('choices', [])]
     if endpoint == '/v1/responses':
+        if any(item.get('type') == 'function_call' for item in payload.get('output') or []):
+            return [(payload.get('output_text'), 'tool_calls')]  # calls instead of the document
         return [(payload.get('output_text'), 'stop' if payload.get('status') == 'completed' else payload.get('status'))]
     if endpoint == '/v1/messages':
         text = ''.join(block.get('text', '') for block in payload.get('content') or [] if block.get('type') == 'text')
@@ -382,23 +384,31 @@ def check_document(text: str | None, fmt: dict, check: Check) -> str | None:
 _EXACT_PARAMETERS = [PERSON, YEAR, LINKED]
 
 
-def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None] | None:
-    """``({name: parameters}, the one name or None)`` of a request whose tool_choice forces a call (``required``,
-    Anthropic's ``any``, a named one), else None."""
+def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None, bool] | None:
+    """``({name: parameters}, the one name or None, forced)`` of a request whose calls are constrained: its
+    tool_choice forces a call (``required``, Anthropic's ``any``, a named one), or a response format beside the tools
+    lets the answer be calls or the document (tool_choice ``auto``, not forced); else None."""
     choice = body.get('tool_choice')
     if endpoint == '/v1/messages':
-        if not isinstance(choice, dict) or choice.get('type') not in ('any', 'tool'):
-            return None
-        return {t['name']: t['input_schema'] for t in body['tools']}, choice.get('name')
-    if endpoint == '/v1/responses':
-        if choice != 'required' and not (isinstance(choice, dict) and 'name' in choice):
-            return None
-        named = choice.get('name') if isinstance(choice, dict) else None
-        return {t['name']: t.get('parameters') for t in body['tools']}, named
-    if choice != 'required' and not (isinstance(choice, dict) and isinstance(choice.get('function'), dict)):
+        functions = {t['name']: t['input_schema'] for t in body['tools']}
+        if isinstance(choice, dict) and choice.get('type') in ('any', 'tool'):
+            return functions, choice.get('name'), True
+        if (choice is None or choice == {'type': 'auto'}) and body.get('output_format'):
+            return functions, None, False
         return None
-    named = choice['function'].get('name') if isinstance(choice, dict) else None
-    return {t['function']['name']: t['function'].get('parameters') for t in body['tools']}, named
+    if endpoint == '/v1/responses':
+        functions = {t['name']: t.get('parameters') for t in body['tools']}
+        if choice == 'required' or isinstance(choice, dict) and 'name' in choice:
+            return functions, choice.get('name') if isinstance(choice, dict) else None, True
+        if choice in (None, 'auto') and (body.get('text') or {}).get('format', {}).get('type', 'text') != 'text':
+            return functions, None, False
+        return None
+    functions = {t['function']['name']: t['function'].get('parameters') for t in body['tools']}
+    if choice == 'required' or isinstance(choice, dict) and isinstance(choice.get('function'), dict):
+        return functions, choice['function'].get('name') if isinstance(choice, dict) else None, True
+    if choice in (None, 'auto') and (body.get('response_format') or {}).get('type', 'text') != 'text':
+        return functions, None, False
+    return None
 
 
 def streamed_answer(endpoint: str, events: list[dict]) -> dict:
@@ -438,14 +448,14 @@ def streamed_answer(endpoint: str, events: list[dict]) -> dict:
 
 
 def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
-    """What is wrong with the calls of a non-streamed answer whose tool_choice forces one, or None: a call of a
-    function not offered (or not the named one), arguments that are not a JSON object or not an instance of exact
-    parameters (a function without parameters: ``{}``), or an answer that stopped without a call. Answers cut by
-    ``max_tokens`` are not checked."""
-    forced = _forced_tools(endpoint, body)
-    if forced is None or body.get('stop') or body.get('stop_sequences'):
+    """What is wrong with the calls of a non-streamed answer whose calls are constrained (:func:`_forced_tools`), or
+    None: a call of a function not offered (or not the named one), arguments that are not a JSON object or not an
+    instance of exact parameters (a function without parameters: ``{}``), or an answer to a forced tool_choice that
+    stopped without a call. Answers cut by ``max_tokens`` are not checked."""
+    constrained = _forced_tools(endpoint, body)
+    if constrained is None or body.get('stop') or body.get('stop_sequences'):
         return None
-    functions, named = forced
+    functions, named, forced = constrained
     if endpoint == '/v1/messages':
         calls = [(b.get('name'), b.get('input')) for b in payload.get('content') or [] if b.get('type') == 'tool_use']
         answers = [(payload.get('stop_reason'), calls)]
@@ -463,7 +473,7 @@ def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
         if reason not in ('stop', 'tool_calls', 'end_turn', 'tool_use'):
             # cut by max_tokens: the call may be cut too
             continue
-        if reason in ('stop', 'end_turn') and not calls:
+        if forced and reason in ('stop', 'end_turn') and not calls:
             return f'a forced tool call stopped without a call: {json.dumps(payload)[:300]}'
         for name, arguments in calls:
             if name not in functions or named is not None and name != named:

@@ -405,6 +405,121 @@ def test_the_responses_api_keeps_the_strict_of_a_tool(client):
     assert calls and all(call.name == 'save_age' for call in calls), response.output
 
 
+YEAR = {'type': 'object', 'properties': {'year': {'type': 'integer', 'minimum': 1900, 'maximum': 2100}},
+        'required': ['year'], 'additionalProperties': False}
+VERDICT = _json_schema({'type': 'object', 'properties': {'ok': {'type': 'boolean'}}, 'required': ['ok'],
+                        'additionalProperties': False})
+
+
+def _document_or_calls(choice, fmt, name='save_year', parameters=YEAR) -> str:
+    """``'calls'``, ``'document'`` or ``'cut'`` (at max_tokens): what a choice answered, each checked (calls of the
+    tool, their arguments an instance of its parameters; a document of the format, its whitespace too)."""
+    if choice.finish_reason == 'length':
+        return 'cut'
+    if choice.message.tool_calls:
+        assert choice.finish_reason == 'tool_calls', choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == name, call
+            check_valid(call.function.arguments, _json_schema(parameters))
+        return 'calls'
+    assert choice.finish_reason == 'stop', choice
+    check_valid(choice.message.content, fmt)
+    if fmt.get('whitespace') == 'compact':
+        assert choice.message.content == json.dumps(json.loads(choice.message.content), separators=(',', ':'))
+    return 'document'
+
+
+# (a regex of few first tokens: with REGEX's two capitals the random model's first token is nearly always one)
+@pytest.mark.parametrize('fmt', [VERDICT, {**VERDICT, 'whitespace': 'compact'}, JSON_OBJECT,
+                                 {'type': 'regex_schema', 'regex_schema': '(yes|no)'}],
+                         ids=['json_schema', 'compact', 'json_object', 'regex'])
+def test_a_response_format_beside_tools_the_model_may_call_admits_the_calls(client, fmt):
+    """OpenAI: with ``tools`` and a ``response_format`` (tool_choice "auto", the default) the answer is calls of the
+    tools or a message in the format. The format's grammar covered the whole output, so no call could ever start:
+    every answer was the document (patch 0067). Now the grammar is the document or the calls: sampled answers are
+    some of each, every one valid."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR}}]
+    seen = []
+    for seed in range(12):
+        extra = {'tool_choice': 'auto'} if seed % 2 else {}
+        choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save a year.'}],
+                                           tools=tools, response_format=fmt, max_tokens=96, temperature=1.0,
+                                           seed=seed, **extra).choices[0]
+        seen.append(_document_or_calls(choice, fmt))
+    assert {'calls', 'document'} <= set(seen), seen
+
+
+def test_the_responses_and_anthropic_apis_admit_calls_beside_a_format(client, server):
+    """The Responses API's ``text.format`` and Anthropic's ``output_format`` beside tools (tool_choice auto) go the
+    same way (patch 0067): answers are function calls or the document."""
+    c, model = client
+    tool = {'type': 'function', 'name': 'save_year', 'parameters': YEAR}
+    seen = []
+    for seed in range(8):
+        response = c.responses.create(model=model, input='Save a year.', tools=[tool], max_output_tokens=96,
+                                      temperature=1.0, extra_body={'seed': seed}, text={'format': {
+                                          'type': 'json_schema', 'name': 'verdict',
+                                          'schema': VERDICT['json_schema']['schema']}})
+        calls = [item for item in response.output if item.type == 'function_call']
+        for call in calls:
+            assert call.name == 'save_year', call
+            check_valid(call.arguments, _json_schema(YEAR))
+        if not calls and response.status == 'completed':
+            check_valid(response.output_text, VERDICT)
+        seen.append('calls' if calls else response.status)
+    assert 'calls' in seen and 'completed' in seen, seen
+    seen = []
+    # Anthropic's API takes no seed: greedy answers to a few prompts
+    for i in range(4):
+        body = {'model': model, 'max_tokens': 96, 'temperature': 0,
+                'messages': [{'role': 'user', 'content': f'Save the year {1990 + i}, or say whether it is ok.'}],
+                'tools': [{'name': 'save_year', 'input_schema': YEAR}],
+                'output_format': {'type': 'json_schema', 'schema': VERDICT['json_schema']['schema']}}
+        request = urllib.request.Request(f'{server["base"]}/v1/messages', data=json.dumps(body).encode(),
+                                         headers={'content-type': 'application/json',
+                                                  'anthropic-version': '2023-06-01'})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+        calls = [block for block in answer['content'] if block['type'] == 'tool_use']
+        for call in calls:
+            assert call['name'] == 'save_year', answer
+            check_valid(json.dumps(call['input']), _json_schema(YEAR))
+        if not calls and answer['stop_reason'] == 'end_turn':
+            check_valid(''.join(b['text'] for b in answer['content'] if b['type'] == 'text'), VERDICT)
+        seen.append('calls' if calls else answer['stop_reason'])
+    # (greedy, this model calls the tool for each of them; the document side is the chat's and the Responses')
+    assert 'calls' in seen, seen
+
+
+def test_the_tools_the_model_may_call_beside_a_format_are_checked(client, server):
+    """The calls beside a format are constrained like a forced call's (patch 0067): a strict tool whose parameters
+    use keywords the grammar does not enforce is HTTP 400 naming it, a tool whose parameters admit no instance is
+    HTTP 400; a tool with such keywords without strict is served, and the log warns."""
+    c, model = client
+    ask = dict(model=model, messages=[{'role': 'user', 'content': 'Save an age.'}], response_format=VERDICT,
+               max_tokens=64, temperature=0)
+    function = {'name': 'save_age', 'parameters': UNENFORCED}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(tools=[{'type': 'function', 'function': {**function, 'strict': True}}], **ask)
+    assert err.value.status_code == 400 and 'save_age' in err.value.message and 'not at' in err.value.message, \
+        err.value
+    loop = {'name': 'loop', 'parameters': {'$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(tools=[{'type': 'function', 'function': loop}], **ask)
+    assert err.value.status_code == 400 and 'admit no instance' in err.value.message, err.value
+    choice = c.chat.completions.create(tools=[{'type': 'function', 'function': function}], **ask).choices[0]
+    _document_or_calls(choice, VERDICT, 'save_age', {k: v for k, v in UNENFORCED.items()})
+    log = server['log'].read_text()
+    assert re.search(r'WARNING.*a tool the model may call.*does not enforce.*not at #/properties/age', log), \
+        log[-3000:]
+    # tool_choice "none" leaves the document alone
+    choice = c.chat.completions.create(tools=[{'type': 'function', 'function': loop}], tool_choice='none',
+                                       **ask).choices[0]
+    assert choice.finish_reason == 'stop' and not choice.message.tool_calls, choice
+    check_valid(choice.message.content, VERDICT)
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:
