@@ -386,8 +386,9 @@ _EXACT_PARAMETERS = [PERSON, YEAR, LINKED]
 
 def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None, bool] | None:
     """``({name: parameters}, the one name or None, forced)`` of a request whose calls are constrained: its
-    tool_choice forces a call (``required``, Anthropic's ``any``, a named one), or a response format beside the tools
-    lets the answer be calls or the document (tool_choice ``auto``, not forced); else None."""
+    tool_choice forces a call (``required``, Anthropic's ``any``, a named one), or with tool_choice ``auto`` (not
+    forced) a response format beside the tools lets the answer be calls or the document, or a tool is strict; else
+    None."""
     choice = body.get('tool_choice')
     if endpoint == '/v1/messages':
         functions = {t['name']: t['input_schema'] for t in body['tools']}
@@ -400,13 +401,15 @@ def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None, bool] | 
         functions = {t['name']: t.get('parameters') for t in body['tools']}
         if choice == 'required' or isinstance(choice, dict) and 'name' in choice:
             return functions, choice.get('name') if isinstance(choice, dict) else None, True
-        if choice in (None, 'auto') and (body.get('text') or {}).get('format', {}).get('type', 'text') != 'text':
+        if choice in (None, 'auto') and ((body.get('text') or {}).get('format', {}).get('type', 'text') != 'text'
+                                         or any(t.get('strict') for t in body['tools'])):
             return functions, None, False
         return None
     functions = {t['function']['name']: t['function'].get('parameters') for t in body['tools']}
     if choice == 'required' or isinstance(choice, dict) and isinstance(choice.get('function'), dict):
         return functions, choice['function'].get('name') if isinstance(choice, dict) else None, True
-    if choice in (None, 'auto') and (body.get('response_format') or {}).get('type', 'text') != 'text':
+    if choice in (None, 'auto') and ((body.get('response_format') or {}).get('type', 'text') != 'text'
+                                     or any(t['function'].get('strict') for t in body['tools'])):
         return functions, None, False
     return None
 

@@ -520,6 +520,28 @@ def test_the_tools_the_model_may_call_beside_a_format_are_checked(client, server
     check_valid(choice.message.content, VERDICT)
 
 
+def test_the_calls_of_a_strict_tool_the_model_may_call_are_checked(client):
+    """A strict tool with tool_choice auto (no response_format): its calls follow its parameters, the text is free
+    (patch 0068; lmdeploy constrained no call). Keywords the grammar does not enforce are HTTP 400, as for a forced
+    call; without strict the request is served as lmdeploy serves it."""
+    c, model = client
+    ask = dict(model=model, messages=[{'role': 'user', 'content': 'Save an age.'}], max_tokens=32, temperature=0)
+    function = {'name': 'save_age', 'parameters': UNENFORCED}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(tools=[{'type': 'function', 'function': {**function, 'strict': True}}], **ask)
+    assert err.value.status_code == 400 and 'save_age' in err.value.message and 'not at' in err.value.message, \
+        err.value
+    choice = c.chat.completions.create(tools=[{'type': 'function', 'function': function}], **ask).choices[0]
+    assert choice.finish_reason in ('stop', 'length', 'tool_calls'), choice
+    for strict in (True, False):
+        tool = {'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR, 'strict': strict}}
+        choice = c.chat.completions.create(tools=[tool], **ask).choices[0]
+        for call in choice.message.tool_calls or []:
+            assert call.function.name == 'save_year', call
+            if strict:
+                check_valid(call.function.arguments, _json_schema(YEAR))
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:

@@ -1,0 +1,99 @@
+"""The constraints lmdeploy's response parser puts on the calls of tools the model may call (``tool_choice`` auto),
+read through its real request and parser classes and checked with the grammar the engine compiles of them (real
+xgrammar, the real Qwen 3 tokenizer, lmdeploy's Qwen 3 tool parser).
+
+- Beside a ``response_format`` the answer is the document or calls (0.18.0 patch 0067): the format's grammar covered
+  the whole output and no call could start.
+- A ``strict`` tool without a ``response_format`` gets calls that follow its parameters, the text around them free
+  (0.18.0 patch 0068, OpenAI's strict): lmdeploy constrained no call with tool_choice auto.
+"""
+import json
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+pytestmark = pytest.mark.engine
+
+YEAR = {'type': 'object', 'properties': {'year': {'type': 'integer', 'minimum': 1900, 'maximum': 2100}},
+        'required': ['year'], 'additionalProperties': False}
+VERDICT = {'type': 'json_schema', 'json_schema': {'name': 'verdict', 'schema': {
+    'type': 'object', 'properties': {'ok': {'type': 'boolean'}}, 'required': ['ok'], 'additionalProperties': False}}}
+CALL = '<tool_call>\n{"name": "save_year", "arguments": {"year": 1999}}\n</tool_call>'
+OFF = CALL.replace('1999', '1850')  # the arguments break the parameters' minimum
+
+
+@pytest.fixture(scope='module')
+def parser_cls():
+    response_parser = pytest.importorskip('lmdeploy.serve.parsers.response_parser')
+    cls = getattr(response_parser, 'BaseResponseParser', None)
+    if cls is None or not hasattr(response_parser, '_check_strict_tools'):
+        pytest.skip('this lmdeploy has no structural-tag tool constraints (0.14.0)')
+    cls.set_parsers(tool_parser_name='qwen3')
+    try:
+        yield cls
+    finally:
+        cls.tool_parser_cls = None
+
+
+def _parsed(parser_cls, **fields) -> dict | None:
+    from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+    request = ChatCompletionRequest(model='m', messages=[{'role': 'user', 'content': 'Save a year.'}], **fields)
+    return parser_cls(request).request.response_format
+
+
+def _grammar(response_format: dict) -> xgr.Grammar:
+    """The grammar the engine compiles of a response format (its compile service's kind and source; the engine's own
+    compile of it must take it too), as xgrammar reads it for a string check."""
+    from lmdeploy._guided_decoding import compile_response_format
+    from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
+
+    from lmdeploy_guided_spec.testing import grammar_compiler
+    from lmdeploy_guided_spec.tool_calls import document_or_calls_tag
+    assert isinstance(compile_response_format(grammar_compiler('qwen3'), response_format), xgr.CompiledGrammar)
+    kind, source, _ = GuidedDecodingManager.compile_args(response_format)
+    if kind == 'document_or_calls':
+        return xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(source)))
+    assert kind == 'structural_tag', kind
+    return xgr.Grammar.from_structural_tag(source)
+
+
+def _tool(strict=None) -> dict:
+    function = {'name': 'save_year', 'parameters': YEAR}
+    if strict is not None:
+        function['strict'] = strict
+    return {'type': 'function', 'function': function}
+
+
+def test_a_response_format_beside_tools_admits_the_document_or_calls(parser_cls):
+    for choice in ({}, {'tool_choice': 'auto'}):
+        fmt = _parsed(parser_cls, tools=[_tool()], response_format=VERDICT, **choice)
+        grammar = _grammar(fmt)
+        assert accepts(grammar, '{"ok": true}') and accepts(grammar, CALL)
+        assert not accepts(grammar, OFF) and not accepts(grammar, 'Sure. ' + CALL) and not accepts(grammar, 'x')
+    # tool_choice none: the document alone, as the format says
+    from lmdeploy_guided_spec.tool_calls import CALLS_KEY
+    fmt = _parsed(parser_cls, tools=[_tool()], response_format=VERDICT, tool_choice='none')
+    assert fmt['type'] == 'json_schema' and CALLS_KEY not in fmt, fmt
+
+
+def test_a_strict_tool_the_model_may_call_gets_calls_that_follow_its_parameters(parser_cls):
+    fmt = _parsed(parser_cls, tools=[_tool(strict=True)])
+    assert fmt is not None and fmt['type'] == 'structural_tag', fmt
+    grammar = _grammar(fmt)
+    # free text, a call, text after it; no call is needed
+    for text in ('Hello there.', CALL, 'Let me save it. ' + CALL + ' Done.', ''):
+        assert accepts(grammar, text), text
+    for text in (OFF, 'Saving. ' + CALL.replace('save_year', 'drop_year')):
+        assert not accepts(grammar, text), text
+    # without strict, lmdeploy's own way: no constraint
+    assert _parsed(parser_cls, tools=[_tool()]) is None
+    assert _parsed(parser_cls, tools=[_tool(strict=False)]) is None
+
+
+def test_a_strict_tool_with_keywords_the_grammar_does_not_enforce_is_refused(parser_cls):
+    unenforced = {'type': 'object', 'properties': {'age': {'type': 'integer', 'not': {'const': 3}}}}
+    tool = {'type': 'function', 'function': {'name': 'save_age', 'parameters': unenforced, 'strict': True}}
+    for fields in ({}, {'response_format': VERDICT}):
+        with pytest.raises(ValueError, match="save_age.*not at"):
+            _parsed(parser_cls, tools=[tool], **fields)
