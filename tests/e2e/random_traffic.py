@@ -293,6 +293,13 @@ def build(rng: random.Random, model: str, responses: bool = False,
             body['messages'] = rng.choice([[], [{'role': 'user'}], 'hi'])
         if rng.random() < 0.25:
             body['tools'], choice = tools(rng, hostile)
+            if rng.random() < 0.15:
+                # OpenAI's allowed_tools: some of the tools, in a mode
+                names = [t['function']['name'] for t in body['tools']]
+                allowed = rng.sample(names, rng.randrange(1, len(names) + 1))
+                choice = {'type': 'allowed_tools', 'allowed_tools': {
+                    'mode': rng.choice(['auto', 'required']),
+                    'tools': [{'type': 'function', 'function': {'name': name}} for name in allowed]}}
             if choice is not None:
                 body['tool_choice'] = choice
     elif endpoint == '/v1/completions':
@@ -406,6 +413,11 @@ def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None, bool] | 
             return functions, None, False
         return None
     functions = {t['function']['name']: t['function'].get('parameters') for t in body['tools']}
+    if isinstance(choice, dict) and choice.get('type') == 'allowed_tools':
+        allowed = {t['function']['name'] for t in choice['allowed_tools']['tools']}
+        functions = {name: parameters for name, parameters in functions.items() if name in allowed}
+        choice = choice['allowed_tools']['mode']
+        body = {**body, 'tools': [t for t in body['tools'] if t['function']['name'] in allowed]}
     if choice == 'required' or isinstance(choice, dict) and isinstance(choice.get('function'), dict):
         return functions, choice['function'].get('name') if isinstance(choice, dict) else None, True
     if choice in (None, 'auto') and ((body.get('response_format') or {}).get('type', 'text') != 'text'

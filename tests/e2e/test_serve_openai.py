@@ -542,6 +542,23 @@ def test_the_calls_of_a_strict_tool_the_model_may_call_are_checked(client):
                 check_valid(call.function.arguments, _json_schema(YEAR))
 
 
+def test_an_allowed_tools_tool_choice_in_mode_required_forces_a_call_of_an_allowed_tool(client):
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [...]}}``: a call of one of
+    the allowed tools, its arguments an instance of its parameters (patch 0069; lmdeploy only hid the other tools, and
+    the answer was free text)."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'save_person', 'parameters': PERSON}},
+             {'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR}}]
+    choice = c.chat.completions.create(
+        model=model, messages=[{'role': 'user', 'content': 'Save something.'}], tools=tools, max_tokens=96,
+        temperature=0, tool_choice={'type': 'allowed_tools', 'allowed_tools': {
+            'mode': 'required', 'tools': [{'type': 'function', 'function': {'name': 'save_year'}}]}}).choices[0]
+    assert choice.finish_reason == 'tool_calls' and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.function.name == 'save_year', call
+        check_valid(call.function.arguments, _json_schema(YEAR))
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:

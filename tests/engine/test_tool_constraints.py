@@ -6,6 +6,8 @@ xgrammar, the real Qwen 3 tokenizer, lmdeploy's Qwen 3 tool parser).
   the whole output and no call could start.
 - A ``strict`` tool without a ``response_format`` gets calls that follow its parameters, the text around them free
   (0.18.0 patch 0068, OpenAI's strict): lmdeploy constrained no call with tool_choice auto.
+- An ``allowed_tools`` tool_choice constrains as its mode says (0.18.0 patch 0069): lmdeploy only hid the other tools.
+- Where nothing is constrained (a tool parser without a structural tag, reasoning on) nothing is refused either.
 """
 import json
 
@@ -23,17 +25,21 @@ CALL = '<tool_call>\n{"name": "save_year", "arguments": {"year": 1999}}\n</tool_
 OFF = CALL.replace('1999', '1850')  # the arguments break the parameters' minimum
 
 
-@pytest.fixture(scope='module')
-def parser_cls():
+def _parsers(tool_parser: str, reasoning_parser: str | None = None):
     response_parser = pytest.importorskip('lmdeploy.serve.parsers.response_parser')
     cls = getattr(response_parser, 'BaseResponseParser', None)
     if cls is None or not hasattr(response_parser, '_check_strict_tools'):
         pytest.skip('this lmdeploy has no structural-tag tool constraints (0.14.0)')
-    cls.set_parsers(tool_parser_name='qwen3')
+    cls.set_parsers(reasoning_parser_name=reasoning_parser, tool_parser_name=tool_parser)
     try:
         yield cls
     finally:
-        cls.tool_parser_cls = None
+        cls.tool_parser_cls = cls.reasoning_parser_cls = None
+
+
+@pytest.fixture
+def parser_cls():
+    yield from _parsers('qwen3')
 
 
 def _parsed(parser_cls, **fields) -> dict | None:
@@ -97,3 +103,48 @@ def test_a_strict_tool_with_keywords_the_grammar_does_not_enforce_is_refused(par
     for fields in ({}, {'response_format': VERDICT}):
         with pytest.raises(ValueError, match="save_age.*not at"):
             _parsed(parser_cls, tools=[tool], **fields)
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    return {'type': 'allowed_tools', 'allowed_tools': {
+        'mode': mode, 'tools': [{'type': 'function', 'function': {'name': name}} for name in names]}}
+
+
+def test_allowed_tools_constrain_as_their_mode_says(parser_cls):
+    ping = {'type': 'function', 'function': {'name': 'ping', 'parameters': {
+        'type': 'object', 'properties': {}, 'additionalProperties': False}}}
+    tools = [_tool(strict=True), ping]
+    ping_call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    # mode required: a call of an allowed tool, nothing else
+    grammar = _grammar(_parsed(parser_cls, tools=tools, tool_choice=_allowed('required', 'save_year')))
+    assert accepts(grammar, CALL) and not accepts(grammar, ping_call) and not accepts(grammar, 'Hello.')
+    # mode auto beside a format: the document or a call of an allowed tool
+    grammar = _grammar(_parsed(parser_cls, tools=tools, tool_choice=_allowed('auto', 'ping'), response_format=VERDICT))
+    assert accepts(grammar, '{"ok": false}') and accepts(grammar, ping_call) and not accepts(grammar, CALL)
+    # mode auto with a strict allowed tool: free text, its calls follow its parameters
+    grammar = _grammar(_parsed(parser_cls, tools=tools, tool_choice=_allowed('auto', 'save_year')))
+    assert accepts(grammar, 'Hi. ' + CALL) and not accepts(grammar, OFF) and not accepts(grammar, ping_call)
+    # mode auto, only tools without strict allowed: free, as lmdeploy serves it
+    assert _parsed(parser_cls, tools=tools, tool_choice=_allowed('auto', 'ping')) is None
+
+
+@pytest.mark.parametrize('tool_parser, reasoning_parser', [('llama3', None), ('internlm', None), ('qwen3', 'default')],
+                         ids=['llama3: no structural tag', 'internlm: its own required format', 'reasoning on'])
+def test_where_the_calls_are_not_constrained_a_strict_tool_is_not_refused(tool_parser, reasoning_parser):
+    """A strict tool whose parameters use keywords the grammar does not enforce is refused only where its calls are
+    constrained: with a tool parser that builds no constraint of them, or with reasoning on, the request is served as
+    lmdeploy serves it. (InternLM's parser builds its own format of required calls, which 0067 puts beside a
+    response_format: there the strict tool is refused.)"""
+    from lmdeploy_guided_spec.tool_calls import CALLS_KEY
+    unenforced = {'type': 'object', 'properties': {'age': {'type': 'integer', 'not': {'const': 3}}}}
+    tool = {'type': 'function', 'function': {'name': 'save_age', 'parameters': unenforced, 'strict': True}}
+    for cls in _parsers(tool_parser, reasoning_parser):
+        assert _parsed(cls, tools=[tool]) is None
+        if tool_parser == 'internlm':
+            with pytest.raises(ValueError, match='save_age'):
+                _parsed(cls, tools=[tool], response_format=VERDICT)
+            loose = {'type': 'function', 'function': {'name': 'save_age', 'parameters': unenforced}}
+            assert CALLS_KEY in _parsed(cls, tools=[loose], response_format=VERDICT)
+            continue
+        fmt = _parsed(cls, tools=[tool], response_format=VERDICT)
+        assert fmt['type'] == 'json_schema' and CALLS_KEY not in fmt, fmt
