@@ -14,10 +14,12 @@ option and xgrammar's own rules of patterns and bounded strings.
 """
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
-__all__ = ['CALLS_KEY', 'DOCUMENT_KINDS', 'document_grammar', 'document_or_calls_source', 'document_or_calls_tag']
+__all__ = ['CALLS_KEY', 'DOCUMENT_KINDS', 'admit_reasoning_open_tag', 'document_grammar', 'document_or_calls_source',
+           'document_or_calls_tag']
 
 #: The key of a response format (lmdeploy's dict) that holds the format of the calls that may stand instead of the
 #: document: the ``format`` of the structural tag of the tools' calls.
@@ -78,3 +80,34 @@ def document_or_calls_tag(source: str | dict) -> dict:
     ebnf = document_grammar(document.get('kind'), document.get('source'), document.get('options'))
     return {'type': 'structural_tag', 'format': {'type': 'or', 'elements': [
         {'type': 'grammar', 'grammar': ebnf}, parsed['calls']]}}
+
+
+def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_tag: str | None) -> dict:
+    """The structural tag ``response_format`` of calls with reasoning on, whose reasoning block may also begin with
+    its ``open_tag``.
+
+    The tags of calls with reasoning on (xgrammar's ``get_model_structural_tag(..., reasoning='enabled')``) start
+    inside the reasoning block, as after a chat template that opens it (the prompt ends in ``<think>\\n``: DeepSeek-R1,
+    Qwen3's thinking models), and exclude the open tag from the block's text. A template that leaves the tag to the
+    model (Qwen3's hybrid template with thinking on) then has the model's first token masked. lmdeploy's response
+    parser takes both (it drops an open tag the model writes); with this, so does the grammar. Returns a new dict; a
+    tag whose first part is not such a block (reasoning off, other shapes, a block whose text admits the open tag) is
+    returned as it is.
+    """
+    if not open_tag or not close_tag or not isinstance(response_format, dict) or response_format.get(
+            'type') != 'structural_tag':
+        return response_format
+    result = copy.deepcopy(response_format)
+    parent: Any = result
+    key: Any = 'format'
+    node = result.get('format')
+    while isinstance(node, dict) and node.get('type') == 'sequence' and node.get('elements'):
+        parent, key, node = node['elements'], 0, node['elements'][0]
+    content = node.get('content') if isinstance(node, dict) else None
+    if not (node.get('type') == 'tag' and node.get('begin') == '' and node.get('end') == close_tag
+            and isinstance(content, dict) and content.get('type') == 'any_text'
+            and open_tag in (content.get('excludes') or ())):
+        return response_format
+    parent[key] = {'type': 'sequence', 'elements': [
+        {'type': 'optional', 'content': {'type': 'const_string', 'value': open_tag}}, node]}
+    return result

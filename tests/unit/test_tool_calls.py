@@ -12,7 +12,12 @@ from lmdeploy_guided_spec import GrammarCompileError, GrammarCompileService
 from lmdeploy_guided_spec.compile import grammar_is_empty
 from lmdeploy_guided_spec.regular import compile_json_schema, compile_regex
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
-from lmdeploy_guided_spec.tool_calls import document_grammar, document_or_calls_source, document_or_calls_tag
+from lmdeploy_guided_spec.tool_calls import (
+    admit_reasoning_open_tag,
+    document_grammar,
+    document_or_calls_source,
+    document_or_calls_tag,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +106,38 @@ def test_a_document_or_calls_is_checked_like_the_other_kinds():
     assert grammar_is_empty('document_or_calls', document_or_calls_source('regex', 'a+', {}, CALLS)) is False
     with pytest.raises(ValueError, match='not .ebnf'):
         document_grammar('ebnf', 'root ::= "a"')
+
+
+_TOOLS = [{'type': 'function', 'function': {'name': 'save', 'parameters': {
+    'type': 'object', 'properties': {'n': {'type': 'integer'}}, 'required': ['n']}}}]
+
+
+@pytest.mark.parametrize('model', ['qwen_3', 'qwen_3_5', 'deepseek_r1', 'deepseek_v3_2', 'glm_4_7'])
+def test_a_reasoning_block_of_forced_calls_may_begin_with_its_open_tag(model):
+    """The calls' tag with reasoning on starts inside the block and excludes ``<think>`` from its text: after a
+    template that leaves the open tag to the model, its first token was masked. Admitted, the block takes both
+    beginnings, once, and the rest of the tag is what it was."""
+    fmt = xgr.get_model_structural_tag(model, _TOOLS, tool_choice='required', reasoning='enabled').model_dump(
+        mode='json')
+    admitted = admit_reasoning_open_tag(fmt, '<think>', '</think>')
+    assert admitted != fmt and fmt == xgr.get_model_structural_tag(
+        model, _TOOLS, tool_choice='required', reasoning='enabled').model_dump(mode='json'), 'a new dict'
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(admitted))
+    old = xgr.Grammar.from_structural_tag(json.dumps(fmt))
+    compiler = xgr.GrammarCompiler(tokenizer_info('qwen3'))
+    think = load_tokenizer('qwen3').convert_tokens_to_ids('<think>')
+    for g, admits in ((grammar, True), (old, False)):
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(g))
+        assert matcher.accept_token(think) is admits
+        # the block's text is what it was: no open tag after its start
+        if admits:
+            assert not matcher.accept_token(think)
+    # reasoning off, or a block whose text admits the open tag: nothing to admit
+    off = xgr.get_model_structural_tag(model, _TOOLS, tool_choice='required', reasoning='disabled').model_dump(
+        mode='json')
+    assert admit_reasoning_open_tag(off, '<think>', '</think>') is off
+    assert admit_reasoning_open_tag(fmt, None, '</think>') is fmt
+    assert admit_reasoning_open_tag({'type': 'json_object'}, '<think>', '</think>') == {'type': 'json_object'}
+    free = xgr.get_model_structural_tag('minimax', _TOOLS, tool_choice='required', reasoning='enabled').model_dump(
+        mode='json')  # its block's text excludes nothing
+    assert admit_reasoning_open_tag(free, '<think>', '</think>') is free
