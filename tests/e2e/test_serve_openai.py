@@ -559,6 +559,40 @@ def test_an_allowed_tools_tool_choice_in_mode_required_forces_a_call_of_an_allow
         check_valid(call.function.arguments, _json_schema(YEAR))
 
 
+def test_parallel_tool_calls_false_ends_the_answer_with_one_call(client):
+    """OpenAI's ``parallel_tool_calls: false``: at most one call. lmdeploy dropped the calls after the first from the
+    answer, but the model went on writing after it (the grammar of required calls lets text and more calls follow the
+    first, and no text precede it); now the output ends once the call is closed (patch 0071). Sampled, several seeds:
+    the default answers go on after their call, those with parallel_tool_calls false never do."""
+    c, model = client
+    tools = [{'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR}},
+             {'type': 'function', 'function': {'name': 'ping', 'parameters': {
+                 'type': 'object', 'properties': {}, 'additionalProperties': False}}}]
+    went_on = 0
+    for seed in range(6):
+        for parallel in (False, None):
+            extra = {} if parallel is None else {'parallel_tool_calls': parallel}
+            choice = c.chat.completions.create(
+                model=model, messages=[{'role': 'user', 'content': 'Save a year.'}], tools=tools,
+                tool_choice='required', max_tokens=160, temperature=1.0, seed=seed, **extra).choices[0]
+            assert choice.finish_reason == 'tool_calls' and choice.message.tool_calls, choice
+            for call in choice.message.tool_calls:
+                check_valid(call.function.arguments, _json_schema(YEAR if call.function.name == 'save_year' else
+                                                                  tools[1]['function']['parameters']))
+            if parallel is False:
+                assert len(choice.message.tool_calls) == 1 and not choice.message.content, choice
+            else:
+                went_on += bool(choice.message.content)
+    assert went_on, 'no default answer went on after its call: the test shows nothing'
+    # the Responses API's parallel_tool_calls too (it was not passed on: its answers went on after the call)
+    for seed in range(4):
+        response = c.responses.create(model=model, input='Save a year.', max_output_tokens=160, temperature=1.0,
+                                      tools=[{'type': 'function', **tool['function']} for tool in tools],
+                                      tool_choice='required', parallel_tool_calls=False, extra_body={'seed': seed})
+        calls = [item for item in response.output if item.type == 'function_call']
+        assert len(calls) == 1 and not response.output_text, response.output
+
+
 def test_server_stays_healthy(client, server):
     assert server['proc'].poll() is None
     with urllib.request.urlopen(f'{server["base"]}/health', timeout=5) as r:

@@ -8,6 +8,8 @@ xgrammar, the real Qwen 3 tokenizer, lmdeploy's Qwen 3 tool parser).
   (0.18.0 patch 0068, OpenAI's strict): lmdeploy constrained no call with tool_choice auto.
 - An ``allowed_tools`` tool_choice constrains as its mode says (0.18.0 patch 0069): lmdeploy only hid the other tools.
 - Where nothing is constrained (a tool parser without a structural tag, reasoning on) nothing is refused either.
+- With reasoning on, a forced call's reasoning block may begin with the model's own ``<think>`` (0.18.0 patch 0070).
+- ``parallel_tool_calls: false`` ends the output with one call (0.18.0 patch 0071).
 """
 import json
 
@@ -148,3 +150,68 @@ def test_where_the_calls_are_not_constrained_a_strict_tool_is_not_refused(tool_p
             continue
         fmt = _parsed(cls, tools=[tool], response_format=VERDICT)
         assert fmt['type'] == 'json_schema' and CALLS_KEY not in fmt, fmt
+
+
+_REASONED = ('Year 1999.\n</think>\n\n' + CALL, '<think>\nYear 1999.\n</think>\n\n' + CALL)
+
+
+@pytest.mark.parametrize('choice', ['required', {'type': 'function', 'function': {'name': 'save_year'}},
+                                    _allowed('required', 'save_year')], ids=['required', 'named', 'allowed_tools'])
+def test_with_reasoning_on_a_forced_call_admits_the_models_own_reasoning_open_tag(choice):
+    """With reasoning on, lmdeploy builds the tag of forced calls that starts inside the reasoning block, right for
+    a template that opens it (DeepSeek-R1, Qwen3 thinking models: the prompt ends in ``<think>\\n``) and excluding
+    the open tag from its text. Qwen3's hybrid template with thinking on leaves the tag to the model, whose first
+    token, ``<think>``, was masked (real Qwen 3 tokenizer: not an allowed first token). The response parser takes
+    both (it drops an open tag the model writes): the grammar now does too (patch 0070)."""
+    for cls in _parsers('qwen3', 'default'):
+        fmt = _parsed(cls, tools=[_tool()], tool_choice=choice)
+        grammar = _grammar(fmt)
+        for text in _REASONED:
+            assert accepts(grammar, text), text
+        # the block is still reasoning: one open tag at its start, no other, and it ends before the calls
+        assert not accepts(grammar, '<think>\n<think>x</think>\n\n' + CALL)
+        assert not accepts(grammar, 'x <think> y</think>\n\n' + CALL) and not accepts(grammar, CALL)
+        # token by token: the model's own first token, '<think>' (one token of the Qwen 3 tokenizer)
+        from lmdeploy_guided_spec.testing import grammar_compiler, load_tokenizer
+        matcher = xgr.GrammarMatcher(grammar_compiler('qwen3').compile_grammar(grammar))
+        assert matcher.accept_token(load_tokenizer('qwen3').convert_tokens_to_ids('<think>'))
+
+
+def test_internlms_required_calls_admit_the_open_tag_and_stop_after_one():
+    for cls in _parsers('internlm', 'default'):
+        fmt = _parsed(cls, tools=[_tool()], tool_choice='required')
+        grammar = xgr.Grammar.from_structural_tag(json.dumps(fmt))
+        call = '<|action_start|><|plugin|>{"name": "save_year", "parameters": {"year": 1999}}<|action_end|>'
+        for text in ('hm</think>\n\n' + call, '<think>hm</think>\n\n' + call, 'hm</think>\n\n' + call + '\n' + call):
+            assert accepts(grammar, text), text
+        # parallel_tool_calls false: its own format stops after the first call too
+        one = xgr.Grammar.from_structural_tag(json.dumps(
+            _parsed(cls, tools=[_tool()], tool_choice='required', parallel_tool_calls=False)))
+        assert accepts(one, 'hm</think>\n\n' + call) and not accepts(one, 'hm</think>\n\n' + call + '\n' + call)
+
+
+PING = {'type': 'function', 'function': {'name': 'ping', 'parameters': {
+    'type': 'object', 'properties': {}, 'additionalProperties': False}}}
+PING_CALL = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize('fields', [
+    {'tool_choice': 'required'},
+    {'tool_choice': {'type': 'function', 'function': {'name': 'save_year'}}},
+    {'tool_choice': _allowed('required', 'save_year', 'ping')},
+    {'response_format': VERDICT},
+    {},
+], ids=['required', 'named', 'allowed_tools', 'beside a format', 'strict, auto'])
+def test_parallel_tool_calls_false_ends_the_output_after_one_call(parser_cls, fields):
+    """OpenAI's ``parallel_tool_calls: false``: at most one call. lmdeploy dropped the calls after the first from the
+    answer, and the grammar let the model write them (tokens spent for nothing, and the text after them); now the
+    output ends with the first call."""
+    tools = [_tool(strict=True), PING]
+    many = _grammar(_parsed(parser_cls, tools=tools, **fields))
+    one = _grammar(_parsed(parser_cls, tools=tools, parallel_tool_calls=False, **fields))
+    named = 'function' in fields.get('tool_choice', {})
+    second = CALL if named else PING_CALL
+    assert accepts(many, CALL + '\n' + second)
+    assert accepts(one, CALL) and not accepts(one, CALL + '\n' + second) and not accepts(one, CALL + ' Done.')
+    if not fields:
+        assert accepts(one, 'Let me save it. ' + CALL) and accepts(one, 'No call.')
