@@ -167,7 +167,8 @@ def test_a_slow_compile_times_out_while_the_caller_keeps_running(service):
     schema = _slow_schema()
     start = time.perf_counter()
     future = service.submit('json_schema', schema)
-    assert time.perf_counter() - start < 0.05
+    # (the compile takes seconds: a busy machine's submit takes tens of milliseconds)
+    assert time.perf_counter() - start < 0.5
     # the engine loop: one step every 10 ms, never waiting for the compile
     steps, longest, last = 0, 0.0, time.perf_counter()
     while not future.done():

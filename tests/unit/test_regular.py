@@ -93,9 +93,9 @@ def test_the_cost_of_a_mask_stays_flat_along_the_output(regex):
     matcher = xgr.GrammarMatcher(compiled)
     costs = mask_costs(matcher, ids, info.vocab_size)
     assert testing.allowed_tokens(matcher, info.vocab_size).any()
-    # flat: the slowest of the last ten masks within 20 ms (a busy machine) and 5x the slowest of the first ten
+    # flat: the slowest of the last ten masks within 50 ms (a busy machine) and 5x the slowest of the first ten
     late, early = max(costs[-10:]), max(costs[:10])
-    assert late < max(0.02, 5 * early), (early, late)
+    assert late < max(0.05, 5 * early), (early, late)
 
 
 @pytest.mark.parametrize('regex', [
