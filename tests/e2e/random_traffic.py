@@ -302,6 +302,8 @@ def build(rng: random.Random, model: str, responses: bool = False,
                     'tools': [{'type': 'function', 'function': {'name': name}} for name in allowed]}}
             if choice is not None:
                 body['tool_choice'] = choice
+            if rng.random() < 0.2:
+                body['parallel_tool_calls'] = rng.choice([False, False, True])
     elif endpoint == '/v1/completions':
         fields, fmt, check = guided_fields(rng)
         body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
@@ -327,6 +329,8 @@ def build(rng: random.Random, model: str, responses: bool = False,
                 choice = {'type': 'function', **choice['function']}
             if choice is not None:
                 body['tool_choice'] = choice
+            if rng.random() < 0.2:
+                body['parallel_tool_calls'] = rng.choice([False, False, True])
     elif endpoint == '/v1/messages':
         body, fmt, check = anthropic_body(rng, model, hostile)
     else:
@@ -465,31 +469,38 @@ def streamed_answer(endpoint: str, events: list[dict]) -> dict:
 def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
     """What is wrong with the calls of a non-streamed answer whose calls are constrained (:func:`_forced_tools`), or
     None: a call of a function not offered (or not the named one), arguments that are not a JSON object or not an
-    instance of exact parameters (a function without parameters: ``{}``), or an answer to a forced tool_choice that
-    stopped without a call. Answers cut by ``max_tokens`` are not checked."""
+    instance of exact parameters (a function without parameters: ``{}``), an answer to a forced tool_choice that
+    stopped without a call, or, with ``parallel_tool_calls`` false, more than one call or text after a forced call
+    (the output ends with it). Answers cut by ``max_tokens`` are not checked."""
     constrained = _forced_tools(endpoint, body)
     if constrained is None or body.get('stop') or body.get('stop_sequences'):
         return None
     functions, named, forced = constrained
     if endpoint == '/v1/messages':
         calls = [(b.get('name'), b.get('input')) for b in payload.get('content') or [] if b.get('type') == 'tool_use']
-        answers = [(payload.get('stop_reason'), calls)]
+        answers = [(payload.get('stop_reason'), calls, None)]
     elif endpoint == '/v1/responses':
         calls = [(item.get('name'), item.get('arguments')) for item in payload.get('output') or []
                  if item.get('type') == 'function_call']
-        answers = [('stop' if payload.get('status') == 'completed' else payload.get('status'), calls)]
+        text = ''.join(part.get('text') or '' for item in payload.get('output') or [] if item.get('type') == 'message'
+                       for part in item.get('content') or [])
+        answers = [('stop' if payload.get('status') == 'completed' else payload.get('status'), calls, text)]
     else:
         answers = []
         for c in payload.get('choices', []):
             calls = [(t['function']['name'], t['function']['arguments'])
                      for t in (c.get('message') or {}).get('tool_calls') or []]
-            answers.append((c.get('finish_reason'), calls))
-    for reason, calls in answers:
+            answers.append((c.get('finish_reason'), calls, (c.get('message') or {}).get('content')))
+    # parallel_tool_calls false: one call, and a forced one (no text may come before it) ends the output
+    single = body.get('parallel_tool_calls') is False and endpoint != '/v1/messages'
+    for reason, calls, text in answers:
         if reason not in ('stop', 'tool_calls', 'end_turn', 'tool_use'):
             # cut by max_tokens: the call may be cut too
             continue
         if forced and reason in ('stop', 'end_turn') and not calls:
             return f'a forced tool call stopped without a call: {json.dumps(payload)[:300]}'
+        if single and calls and (len(calls) > 1 or forced and text):
+            return f'parallel_tool_calls false, and the answer went on after its call: {json.dumps(payload)[:300]}'
         for name, arguments in calls:
             if name not in functions or named is not None and name != named:
                 return f'a call of {name!r}, not of {named or sorted(functions)}'
