@@ -8,9 +8,12 @@ as the compile service compiles the format alone (the exact pattern rules and th
 (xgrammar's ``get_model_structural_tag``: text after the calls is free, as it is there).
 
 A response format carries the calls' format under :data:`CALLS_KEY`; the compile service's kind
-``document_or_calls`` takes :func:`document_or_calls_source`. The document's grammar is written out as EBNF (a
-``grammar`` element of an xgrammar ``or``): inside a structural tag, a ``json_schema`` element has no separators
-option and xgrammar's own rules of patterns and bounded strings.
+``document_or_calls`` takes :func:`document_or_calls_source`. With a reasoning parser on, the document (or calls)
+follows a reasoning block (:data:`REASONING_KEY`): the model reasons freely, then answers in the format; a grammar of
+the format alone made it answer at once, and the parser, which starts in the block, took the document for reasoning.
+
+The document's grammar is written out as EBNF (a ``grammar`` element of the tag): inside a structural tag, a
+``json_schema`` element has no separators option and xgrammar's own rules of patterns and bounded strings.
 """
 from __future__ import annotations
 
@@ -18,12 +21,26 @@ import copy
 import json
 from typing import Any
 
-__all__ = ['CALLS_KEY', 'DOCUMENT_KINDS', 'admit_reasoning_open_tag', 'document_grammar', 'document_or_calls_source',
-           'document_or_calls_tag']
+__all__ = ['CALLS_KEY', 'DOCUMENT_KINDS', 'REASONING_KEY', 'admit_reasoning_open_tag', 'document_grammar',
+           'document_or_calls_source', 'document_or_calls_tag', 'reasoning_block', 'reasoning_tags']
 
 #: The key of a response format (lmdeploy's dict) that holds the format of the calls that may stand instead of the
 #: document: the ``format`` of the structural tag of the tools' calls.
 CALLS_KEY = 'tool_calls'
+
+#: The key of a response format that holds the reasoning block its document (or calls) follow, a reasoning parser
+#: on: ``{"open": <the open tag, or None>, "close": <the close tag>, "excludes": [<text the reasoning may not hold>]}``
+#: (``excludes`` optional: a tool parser's open tag, which it would read as a call there). The model reasons, then
+#: answers in the format.
+REASONING_KEY = 'reasoning'
+
+#: The longest reasoning tag or excluded text taken (``<think>``, ``</think>``, ``<tool_call>``: a few characters), and
+#: the most texts excluded.
+_MAX_TAG_CHARS = 64
+_MAX_EXCLUDES = 8
+
+#: The whitespace a model writes between its reasoning and its answer (Qwen3, DeepSeek-R1: ``</think>\n\n``).
+_AFTER_REASONING = r'[ \t\r\n]{0,4}'
 
 #: Grammar kinds of the compile service a document may be.
 DOCUMENT_KINDS = ('json_schema', 'regex', 'builtin_json')
@@ -60,26 +77,71 @@ def document_grammar(kind: str, source: str | dict | None, options: dict | None 
     raise ValueError(f'a document is one of {", ".join(DOCUMENT_KINDS)}, not {kind!r}')
 
 
-def document_or_calls_source(kind: str, source: str | dict | None, options: dict | None, calls: dict) -> str:
-    """The source of the compile service's kind ``document_or_calls``: the document's ``(kind, source, options)``
-    and the calls' format, as JSON text (the key of the service's cache)."""
+def document_or_calls_source(kind: str, source: str | dict | None, options: dict | None, calls: dict | None,
+                             reasoning: dict | None = None) -> str:
+    """The source of the compile service's kind ``document_or_calls``: the document's ``(kind, source, options)``,
+    the calls' format that may stand instead of it (or None) and the reasoning block both follow (a
+    :data:`REASONING_KEY` value, or None), as JSON text (the key of the service's cache)."""
     if isinstance(source, (dict, list, bool)):
         source = json.dumps(source)
-    return json.dumps({'document': {'kind': kind, 'source': source, 'options': dict(options or {})},
-                       'calls': calls}, sort_keys=True)
+    body: dict[str, Any] = {'document': {'kind': kind, 'source': source, 'options': dict(options or {})},
+                            'calls': calls}
+    if reasoning is not None:
+        body['reasoning'] = reasoning
+    return json.dumps(body, sort_keys=True)
 
 
 def document_or_calls_tag(source: str | dict) -> dict:
-    """The xgrammar structural tag of a :func:`document_or_calls_source`: ``or`` of the document's grammar
-    (:func:`document_grammar`) and the calls' format. Raises ``ValueError`` for a malformed source."""
+    """The xgrammar structural tag of a :func:`document_or_calls_source`: the document's grammar
+    (:func:`document_grammar`), or ``or`` of it and the calls' format, after the reasoning block where there is one.
+    Raises ``ValueError`` for a malformed source."""
     parsed = json.loads(source) if isinstance(source, str) else source
     if not isinstance(parsed, dict) or not isinstance(parsed.get('document'), dict) or not isinstance(
-            parsed.get('calls'), dict):
-        raise ValueError('a document_or_calls source is {"document": {"kind", "source", "options"}, "calls": {...}}')
+            parsed.get('calls'), (dict, type(None))):
+        raise ValueError('a document_or_calls source is {"document": {"kind", "source", "options"}, "calls": {...} '
+                         'or null, "reasoning": {"open", "close"} (optional)}')
     document: dict[str, Any] = parsed['document']
     ebnf = document_grammar(document.get('kind'), document.get('source'), document.get('options'))
-    return {'type': 'structural_tag', 'format': {'type': 'or', 'elements': [
-        {'type': 'grammar', 'grammar': ebnf}, parsed['calls']]}}
+    answer: dict[str, Any] = {'type': 'grammar', 'grammar': ebnf}
+    if parsed['calls'] is not None:
+        answer = {'type': 'or', 'elements': [answer, parsed['calls']]}
+    if parsed.get('reasoning') is not None:
+        answer = {'type': 'sequence', 'elements': [
+            reasoning_block(*reasoning_tags(parsed['reasoning'])), {'type': 'regex', 'pattern': _AFTER_REASONING},
+            answer]}
+    return {'type': 'structural_tag', 'format': answer}
+
+
+def reasoning_tags(value) -> tuple[str | None, str, tuple[str, ...]]:
+    """The ``(open, close, excludes)`` of a :data:`REASONING_KEY` value; ``ValueError`` for one that is not
+    ``{"open": str or None, "close": str, "excludes": [str, ...]}`` (``excludes`` optional, at most 8) with texts of 1
+    to 64 characters."""
+    if not isinstance(value, dict) or set(value) - {'open', 'close', 'excludes'}:
+        raise ValueError(f'response_format {REASONING_KEY} is {{"open": <tag or null>, "close": <tag>, "excludes": '
+                         '[<text>, ...] (optional)}')
+    open_tag, close_tag, excludes = value.get('open'), value.get('close'), value.get('excludes', [])
+    if not isinstance(excludes, list) or len(excludes) > _MAX_EXCLUDES:
+        raise ValueError(f'response_format {REASONING_KEY} excludes is a list of at most {_MAX_EXCLUDES} texts')
+    for text in [close_tag, *excludes] if open_tag is None else [open_tag, close_tag, *excludes]:
+        if not isinstance(text, str) or not text or len(text) > _MAX_TAG_CHARS:
+            raise ValueError(f'response_format {REASONING_KEY} texts are strings of 1 to {_MAX_TAG_CHARS} characters '
+                             f'(the open tag may be null), got {text!r}')
+    return open_tag, close_tag, tuple(excludes)
+
+
+def reasoning_block(open_tag: str | None, close_tag: str, excludes: tuple[str, ...] = ()) -> dict:
+    """The structural tag format of a reasoning block: free text up to ``close_tag``, neither tag nor any of
+    ``excludes`` inside it; it starts inside, as after a chat template that opens it, or with the model's own
+    ``open_tag``."""
+    text = {'type': 'any_text', 'excludes': [tag for tag in (open_tag, close_tag, *excludes) if tag]}
+    block: dict[str, Any] = {'type': 'tag', 'begin': '', 'content': text, 'end': close_tag}
+    return _may_open(open_tag, block) if open_tag else block
+
+
+def _may_open(open_tag: str, block: dict) -> dict:
+    """A reasoning block that starts inside, or with ``open_tag`` once."""
+    return {'type': 'sequence', 'elements': [
+        {'type': 'optional', 'content': {'type': 'const_string', 'value': open_tag}}, block]}
 
 
 def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_tag: str | None) -> dict:
@@ -108,6 +170,5 @@ def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_
             and isinstance(content, dict) and content.get('type') == 'any_text'
             and open_tag in (content.get('excludes') or ())):
         return response_format
-    parent[key] = {'type': 'sequence', 'elements': [
-        {'type': 'optional', 'content': {'type': 'const_string', 'value': open_tag}}, node]}
+    parent[key] = _may_open(open_tag, node)
     return result

@@ -281,6 +281,24 @@ def metric(base: str, name: str) -> float:
     return float(found.group(1))
 
 
+def served(tmp_path_factory, args: list[str], **kwargs):
+    """The body of a module's server fixture: the api_server of :func:`start_server` (``args``, ``kwargs``) as
+    ``{"base", "proc", "log"}``, stopped after."""
+    log = tmp_path_factory.mktemp('api_server') / 'server.log'
+    proc, base = start_server(args, log, **kwargs)
+    try:
+        yield dict(base=base, proc=proc, log=log)
+    finally:
+        stop_server(proc)
+
+
+def openai_client(server: dict) -> tuple:
+    """``(client, model name)`` of the ``openai`` client of a :func:`served` server."""
+    import openai
+    c = openai.OpenAI(base_url=f'{server["base"]}/v1', api_key='none', timeout=120, max_retries=0)
+    return c, c.models.list().data[0].id
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     # the server and the engine process it spawned share the new session's process group (lmdeploy's dp launcher
     # stops its api_servers, in groups of their own, when it gets SIGTERM)

@@ -15,7 +15,7 @@ from importlib.metadata import version
 
 import openai
 import pytest
-from e2e_helpers import CODE_REGEX, PERSON, check_valid, start_server, stop_server
+from e2e_helpers import CODE_REGEX, PERSON, check_valid, openai_client, served
 
 # the session's pipelines are closed first: with this module's servers beside them they outgrew the machine
 pytestmark = pytest.mark.usefixtures('no_session_pipelines')
@@ -30,21 +30,15 @@ INVALID = {'type': 'json_schema', 'json_schema': {'name': 'bad', 'schema': {
 
 @pytest.fixture(scope='module')
 def server(cpu_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp('api_server') / 'server.log'
     # the Qwen 3 tool parser builds a structural tag of the tools for tool_choice="required"
-    proc, base = start_server(['--speculative-algorithm', 'eagle3', '--speculative-draft-model', 'tiny-llama-eagle3',
-                               '--speculative-num-draft-tokens', '3', '--tool-call-parser', 'qwen3'], log,
-                              max_batch_size=8)
-    try:
-        yield dict(base=base, proc=proc, log=log)
-    finally:
-        stop_server(proc)
+    yield from served(tmp_path_factory, ['--speculative-algorithm', 'eagle3', '--speculative-draft-model',
+                                         'tiny-llama-eagle3', '--speculative-num-draft-tokens', '3',
+                                         '--tool-call-parser', 'qwen3'], max_batch_size=8)
 
 
 @pytest.fixture(scope='module')
 def client(server):
-    c = openai.OpenAI(base_url=f'{server["base"]}/v1', api_key='none', timeout=120, max_retries=0)
-    return c, c.models.list().data[0].id
+    return openai_client(server)
 
 
 def _chat(client, fmt, stream=False, prompt='Describe a person as JSON.', max_tokens=96):

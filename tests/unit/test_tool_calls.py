@@ -13,10 +13,12 @@ from lmdeploy_guided_spec.compile import grammar_is_empty
 from lmdeploy_guided_spec.regular import compile_json_schema, compile_regex
 from lmdeploy_guided_spec.testing import TOKENIZERS, allowed_tokens, grammar_compiler, load_tokenizer, tokenizer_info
 from lmdeploy_guided_spec.tool_calls import (
+    REASONING_KEY,
     admit_reasoning_open_tag,
     document_grammar,
     document_or_calls_source,
     document_or_calls_tag,
+    reasoning_tags,
 )
 
 pytestmark = pytest.mark.unit
@@ -141,3 +143,46 @@ def test_a_reasoning_block_of_forced_calls_may_begin_with_its_open_tag(model):
     free = xgr.get_model_structural_tag('minimax', _TOOLS, tool_choice='required', reasoning='enabled').model_dump(
         mode='json')  # its block's text excludes nothing
     assert admit_reasoning_open_tag(free, '<think>', '</think>') is free
+
+
+THINK = {'open': '<think>', 'close': '</think>'}
+
+
+@pytest.mark.parametrize('calls', [None, CALLS], ids=['document', 'document or calls'])
+def test_a_document_after_reasoning(calls):
+    """A reasoning parser on: the model reasons (free text, its block opened by the template or by itself), then
+    answers in the format; the document alone, without the block, is not an answer."""
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(
+        document_or_calls_source('json_schema', CODE, {}, calls, THINK))))
+    for text in ('<think>\nHm, a code.\n</think>\n\n{"code": "1"}', 'Hm.</think>{"code": "10x2"}',
+                 '</think>\n{"code": "0"}'):
+        assert accepts(grammar, text), text
+    for text in ('{"code": "1"}', '<think>a</think>\n\n{"code": "00"}', '<think><think>a</think>{"code": "1"}',
+                 'a</think> x {"code": "1"}', 'a</think>\n\n{"code": "1"}</think>'):
+        assert not accepts(grammar, text), text
+    assert accepts(grammar, 'a</think>\n\n' + PING) is (calls is not None)
+    # a text the reasoning excludes (a tool parser's open tag, which would read as a call there)
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(document_or_calls_source(
+        'json_schema', CODE, {}, calls, {**THINK, 'excludes': ['<tool_call>']}))))
+    assert accepts(grammar, 'Hm.</think>{"code": "1"}') and not accepts(grammar, 'Hm <tool_call>.</think>{"code": "1"}')
+
+
+def test_the_reasoning_of_a_response_format_is_checked():
+    assert reasoning_tags(THINK) == ('<think>', '</think>', ()) and reasoning_tags({'close': '</think>'})[0] is None
+    assert reasoning_tags({**THINK, 'excludes': ['<tool_call>']})[2] == ('<tool_call>',)
+    for bad in ('</think>', {'open': '<think>'}, {'close': ''}, {'close': 'x' * 65}, {'close': 3},
+                {'open': '', 'close': '</think>'}, {**THINK, 'extra': 1}, {**THINK, 'excludes': '<a>'},
+                {**THINK, 'excludes': [None]}, {**THINK, 'excludes': ['<a>'] * 9}, {'open': None, 'close': None}):
+        with pytest.raises(ValueError, match=REASONING_KEY):
+            reasoning_tags(bad)
+    with GrammarCompileService(tokenizer_info('qwen3'), timeout_s=60, max_workers=1) as service:
+        source = document_or_calls_source('regex', '(yes|no)', {}, None, THINK)
+        grammar = service.submit('document_or_calls', source).result(timeout=120)
+        tokenizer = load_tokenizer('qwen3')
+        matcher = xgr.GrammarMatcher(grammar)
+        for token in tokenizer.encode('<think>\nok</think>\n\nyes', add_special_tokens=False):
+            assert matcher.accept_token(token)
+        assert matcher.accept_token(tokenizer.eos_token_id)
+        with pytest.raises(GrammarCompileError, match=REASONING_KEY):
+            service.submit('document_or_calls', document_or_calls_source('regex', 'a', {}, None,
+                                                                          {'close': ''})).result(timeout=60)

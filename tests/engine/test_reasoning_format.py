@@ -1,0 +1,116 @@
+"""A response format with a reasoning parser on (0.18.0 patch 0072), read through lmdeploy's real request and
+response parser classes, the grammar the engine compiles of the request (real xgrammar, the real Qwen 3 tokenizer
+and chat template) and the parser's reading of outputs the grammar accepts.
+
+lmdeploy's reasoning parsers start inside the reasoning block (the default parser always, DeepSeek's when thinking is
+on), and the grammar of a ``response_format`` covered the whole output: the model had to answer in the format from
+its first token, without reasoning (a Qwen3 model's own first token, ``<think>``, masked), and the parser, waiting
+for the block to close, gave the whole document as ``reasoning_content`` and ``content`` None. Now the model reasons,
+then answers in the format: the document comes as ``content``.
+"""
+import json
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+pytestmark = pytest.mark.engine
+
+VERDICT = {'type': 'json_schema', 'json_schema': {'name': 'verdict', 'schema': {
+    'type': 'object', 'properties': {'ok': {'type': 'boolean'}}, 'required': ['ok'], 'additionalProperties': False}}}
+THOUGHT = 'The user asks whether it is ok. It is.'
+
+
+@pytest.fixture
+def parser_cls():
+    response_parser = pytest.importorskip('lmdeploy.serve.parsers.response_parser')
+    cls = getattr(response_parser, 'BaseResponseParser', None)
+    if cls is None or not hasattr(response_parser, '_check_strict_tools'):
+        pytest.skip('this lmdeploy has no structural-tag constraints (0.14.0)')
+
+    def use(reasoning_parser: str | None, tool_parser: str | None = None):
+        cls.set_parsers(reasoning_parser_name=reasoning_parser, tool_parser_name=tool_parser)
+        return cls
+
+    try:
+        yield use
+    finally:
+        cls.tool_parser_cls = cls.reasoning_parser_cls = None
+
+
+def _parser(cls, **fields):
+    from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+    request = ChatCompletionRequest(model='m', messages=[{'role': 'user', 'content': 'Is it ok?'}], **fields)
+    return cls(request)
+
+
+def _grammar(response_format: dict) -> xgr.Grammar:
+    """The grammar the engine compiles of a response format (its compile service's kind and source; the other
+    ranks' compile of it must take it too)."""
+    from lmdeploy._guided_decoding import compile_response_format, ensure_response_format_shape
+    from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
+
+    from lmdeploy_guided_spec.testing import grammar_compiler
+    from lmdeploy_guided_spec.tool_calls import document_or_calls_tag
+    ensure_response_format_shape(response_format)
+    assert isinstance(compile_response_format(grammar_compiler('qwen3'), response_format), xgr.CompiledGrammar)
+    kind, source, options = GuidedDecodingManager.compile_args(response_format)
+    if kind == 'document_or_calls':
+        return xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(source)))
+    assert kind == 'json_schema', kind
+    return xgr.Grammar.from_json_schema(source, **options)
+
+
+@pytest.mark.parametrize('fmt', [VERDICT, {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': 'yes|no'}],
+                         ids=['json_schema', 'json_object', 'regex'])
+def test_with_a_reasoning_parser_the_model_reasons_then_answers_in_the_format(parser_cls, fmt):
+    answer = 'yes' if fmt['type'] == 'regex_schema' else '{"ok": true}'
+    parser = _parser(parser_cls('default'), response_format=fmt)
+    grammar = _grammar(parser.request.response_format)
+    # the model opens the block (Qwen3's hybrid template) or the template did (DeepSeek-R1, thinking models)
+    for output in (f'<think>\n{THOUGHT}\n</think>\n\n{answer}', f'{THOUGHT}</think>{answer}'):
+        assert accepts(grammar, output), output
+        content, calls, reasoning = _parser(parser_cls('default'), response_format=fmt).parse_complete(output, [])
+        assert content.strip() == answer and THOUGHT in reasoning and not calls, (content, reasoning)
+    # the answer is the format's: not without the reasoning's end, not off the format, nothing after it
+    for output in (answer, f'<think>{THOUGHT}</think>\n\nmaybe', f'{THOUGHT}</think>{answer}</think>'):
+        assert not accepts(grammar, output), output
+
+
+def test_token_by_token_with_the_qwen3_tokenizer(parser_cls):
+    """The model's own first token, ``<think>`` (one token of the Qwen 3 tokenizer), is allowed: it was masked."""
+    from lmdeploy_guided_spec.testing import grammar_compiler, load_tokenizer
+    tokenizer = load_tokenizer('qwen3')
+    fmt = _parser(parser_cls('default'), response_format=VERDICT).request.response_format
+    matcher = xgr.GrammarMatcher(grammar_compiler('qwen3').compile_grammar(_grammar(fmt)))
+    for token in tokenizer.encode(f'<think>\n{THOUGHT}\n</think>\n\n{{"ok": false}}', add_special_tokens=False):
+        assert matcher.accept_token(token), tokenizer.decode([token])
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+def test_without_reasoning_the_format_covers_the_whole_output(parser_cls):
+    """Thinking off (the template closes the block: Qwen3's ``enable_thinking: false``), or a reasoning parser that
+    starts outside the block, or none: the document from the first token, as before."""
+    for cls, fields in ((parser_cls('default'), {'chat_template_kwargs': {'enable_thinking': False}}),
+                        (parser_cls('deepseek-v3'), {}), (parser_cls(None), {})):
+        parser = _parser(cls, response_format=VERDICT, **fields)
+        grammar = _grammar(parser.request.response_format)
+        assert accepts(grammar, '{"ok": true}') and not accepts(grammar, f'{THOUGHT}</think>{{"ok": true}}')
+        assert parser.parse_complete('{"ok": true}', [])[0] == '{"ok": true}'
+    # DeepSeek's parser with thinking on starts inside
+    parser = _parser(parser_cls('deepseek-v3'), response_format=VERDICT,
+                     chat_template_kwargs={'enable_thinking': True})
+    assert accepts(_grammar(parser.request.response_format), f'{THOUGHT}</think>\n\n{{"ok": true}}')
+
+
+def test_tools_beside_reasoning_and_a_format(parser_cls):
+    """Tools the model may call beside a format, reasoning on: the answer is the document after the reasoning (the
+    calls stay impossible there, as before), and no call can hide in the reasoning: the tool parser would take a
+    ``<tool_call>`` written there for a call whose arguments nothing constrained."""
+    tool = {'type': 'function', 'function': {'name': 'save_year', 'parameters': {
+        'type': 'object', 'properties': {'year': {'type': 'integer'}}, 'required': ['year']}}}
+    parser = _parser(parser_cls('default', 'qwen3'), response_format=VERDICT, tools=[tool])
+    grammar = _grammar(parser.request.response_format)
+    assert accepts(grammar, f'{THOUGHT}</think>\n\n{{"ok": true}}')
+    call = '<tool_call>\n{"name": "save_year", "arguments": {"year": "x"}}\n</tool_call>'
+    assert not accepts(grammar, f'{THOUGHT} {call}</think>\n\n{{"ok": true}}')
