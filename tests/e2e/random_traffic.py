@@ -589,10 +589,11 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
 
 
 async def check_request(client: aiohttp.ClientSession, base: str, model: str) -> str | None:
-    """A guided greedy request answers a valid person: what went wrong, or None."""
+    """A guided greedy request answers a valid person: what went wrong, or None. (Thinking off: a server with a
+    reasoning parser lets the model reason first, and a tiny random model never ends its reasoning.)"""
     fmt = {'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': PERSON}}
     body = {'model': model, 'messages': [{'role': 'user', 'content': 'A person.'}], 'max_tokens': 64,
-            'temperature': 0, 'response_format': fmt}
+            'temperature': 0, 'response_format': fmt, 'chat_template_kwargs': {'enable_thinking': False}}
     try:
         async with client.post(f'{base}/v1/chat/completions', json=body,
                                timeout=aiohttp.ClientTimeout(total=120)) as r:

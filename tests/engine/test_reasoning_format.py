@@ -29,6 +29,8 @@ def parser_cls():
         pytest.skip('this lmdeploy has no structural-tag constraints (0.14.0)')
 
     def use(reasoning_parser: str | None, tool_parser: str | None = None):
+        # (set_parsers leaves a parser it is not given as it was)
+        cls.tool_parser_cls = cls.reasoning_parser_cls = None
         cls.set_parsers(reasoning_parser_name=reasoning_parser, tool_parser_name=tool_parser)
         return cls
 
@@ -53,10 +55,13 @@ def _grammar(response_format: dict) -> xgr.Grammar:
     from lmdeploy_guided_spec.testing import grammar_compiler
     from lmdeploy_guided_spec.tool_calls import document_or_calls_tag
     ensure_response_format_shape(response_format)
-    assert isinstance(compile_response_format(grammar_compiler('qwen3'), response_format), xgr.CompiledGrammar)
+    compiled = compile_response_format(grammar_compiler('qwen3'), response_format)
     kind, source, options = GuidedDecodingManager.compile_args(response_format)
     if kind == 'document_or_calls':
-        return xgr.Grammar.from_structural_tag(json.dumps(document_or_calls_tag(source)))
+        tag = json.dumps(document_or_calls_tag(source))
+        # the other ranks' compile is the compile service's grammar
+        assert str(compiled.grammar) == str(grammar_compiler('qwen3').compile_structural_tag(tag).grammar)
+        return xgr.Grammar.from_structural_tag(tag)
     assert kind == 'json_schema', kind
     return xgr.Grammar.from_json_schema(source, **options)
 
@@ -91,8 +96,9 @@ def test_token_by_token_with_the_qwen3_tokenizer(parser_cls):
 def test_without_reasoning_the_format_covers_the_whole_output(parser_cls):
     """Thinking off (the template closes the block: Qwen3's ``enable_thinking: false``), or a reasoning parser that
     starts outside the block, or none: the document from the first token, as before."""
-    for cls, fields in ((parser_cls('default'), {'chat_template_kwargs': {'enable_thinking': False}}),
-                        (parser_cls('deepseek-v3'), {}), (parser_cls(None), {})):
+    for parsers, fields in (('default', {'chat_template_kwargs': {'enable_thinking': False}}), ('deepseek-v3', {}),
+                            (None, {})):
+        cls = parser_cls(parsers)
         parser = _parser(cls, response_format=VERDICT, **fields)
         grammar = _grammar(parser.request.response_format)
         assert accepts(grammar, '{"ok": true}') and not accepts(grammar, f'{THOUGHT}</think>{{"ok": true}}')
@@ -114,3 +120,55 @@ def test_tools_beside_reasoning_and_a_format(parser_cls):
     assert accepts(grammar, f'{THOUGHT}</think>\n\n{{"ok": true}}')
     call = '<tool_call>\n{"name": "save_year", "arguments": {"year": "x"}}\n</tool_call>'
     assert not accepts(grammar, f'{THOUGHT} {call}</think>\n\n{{"ok": true}}')
+
+
+def test_a_document_holding_tags_is_read_whole(parser_cls):
+    """A JSON string of the document may hold ``<think>`` or the tool parser's ``<tool_call>`` (the grammar allows
+    them there): the document is the answer's text; the parser cut such a "block" out of it (the reasoning got the
+    rest of the document, the content stopped at the tag), with reasoning on or off."""
+    for parsers, fields, before in ((('default', 'qwen3'), {}, f'{THOUGHT}</think>\n\n'),
+                                    (('default', 'qwen3'), {'chat_template_kwargs': {'enable_thinking': False}}, ''),
+                                    ((None, 'qwen3'), {}, '')):
+        cls = parser_cls(*parsers)
+        for inner in ('<think>b', '<tool_call>b', 'a</think>b'):
+            document = json.dumps({'note': inner})
+            fmt = _parser(cls, response_format={'type': 'json_object'}, **fields).request.response_format
+            assert accepts(_grammar(fmt), before + document), (fields, inner)
+            content, calls, reasoning = _parser(cls, response_format={'type': 'json_object'},
+                                                **fields).parse_complete(before + document, [])
+            assert content.strip() == document and not calls, (fields, content, reasoning)
+            assert (reasoning or '') == (THOUGHT if before else ''), reasoning
+
+
+def test_with_a_tool_parser_no_call_hides_in_the_reasoning(parser_cls):
+    """The parser looks for calls in the reasoning wherever a tool parser is on (tools or not): the grammar keeps the
+    tool parser's open tag out of the reasoning alike."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for fields in ({}, {'tools': [{'type': 'function', 'function': {'name': 'f', 'parameters': {
+            'type': 'object', 'properties': {}}}}]}):
+        fmt = _parser(parser_cls('default', 'qwen3'), response_format=VERDICT, **fields).request.response_format
+        grammar = _grammar(fmt)
+        assert accepts(grammar, f'{THOUGHT}</think>{{"ok": true}}')
+        assert not accepts(grammar, f'{THOUGHT} {call}</think>{{"ok": true}}'), fields
+
+
+@pytest.mark.parametrize('parser, kwargs, reasons', [
+    ('default', {'thinking': True}, True),
+    ('default', {'enable_thinking': True}, True),
+    ('default', {'enable_thinking': False}, False),
+    ('deepseek-v3', {'enable_thinking': True}, True),
+    ('deepseek-v3', {}, False),
+    ('deepseek-v32', {'thinking': True}, True),
+    ('deepseek-v4', {'thinking': True}, True),
+    ('deepseek-v4', {'thinking': False}, False),
+])
+def test_the_reasoning_parsers_and_their_switches(parser_cls, parser, kwargs, reasons):
+    """Each reasoning parser's switch of thinking: the document follows the reasoning exactly where the parser starts
+    inside the block, so that what it reads as reasoning is the reasoning."""
+    cls = parser_cls(parser)
+    fields = {'chat_template_kwargs': kwargs} if kwargs else {}
+    grammar = _grammar(_parser(cls, response_format=VERDICT, **fields).request.response_format)
+    output = f'{THOUGHT}</think>\n\n{{"ok": true}}' if reasons else '{"ok": true}'
+    assert accepts(grammar, output) and not accepts(grammar, '{"ok": true}' if reasons else output + ' ')
+    content, _, reasoning = _parser(cls, response_format=VERDICT, **fields).parse_complete(output, [])
+    assert content.strip() == '{"ok": true}' and (reasoning or '') == (THOUGHT if reasons else ''), (content, reasoning)

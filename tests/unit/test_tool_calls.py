@@ -172,7 +172,8 @@ def test_the_reasoning_of_a_response_format_is_checked():
     assert reasoning_tags({**THINK, 'excludes': ['<tool_call>']})[2] == ('<tool_call>',)
     for bad in ('</think>', {'open': '<think>'}, {'close': ''}, {'close': 'x' * 65}, {'close': 3},
                 {'open': '', 'close': '</think>'}, {**THINK, 'extra': 1}, {**THINK, 'excludes': '<a>'},
-                {**THINK, 'excludes': [None]}, {**THINK, 'excludes': ['<a>'] * 9}, {'open': None, 'close': None}):
+                {**THINK, 'excludes': [None]}, {**THINK, 'excludes': ['<a>'] * 9}, {'open': None, 'close': None},
+                {'close': '</think\ud800>'}, {'close': '</think>\n'}):
         with pytest.raises(ValueError, match=REASONING_KEY):
             reasoning_tags(bad)
     with GrammarCompileService(tokenizer_info('qwen3'), timeout_s=60, max_workers=1) as service:
