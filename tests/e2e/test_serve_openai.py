@@ -553,7 +553,7 @@ def test_an_allowed_tools_tool_choice_in_mode_required_forces_a_call_of_an_allow
         check_valid(call.function.arguments, _json_schema(YEAR))
 
 
-def test_parallel_tool_calls_false_ends_the_answer_with_one_call(client):
+def test_parallel_tool_calls_false_ends_the_answer_with_one_call(client, server):
     """OpenAI's ``parallel_tool_calls: false``: at most one call. lmdeploy dropped the calls after the first from the
     answer, but the model went on writing after it (the grammar of required calls lets text and more calls follow the
     first, and no text precede it); now the output ends once the call is closed (patch 0071). Sampled, several seeds:
@@ -585,6 +585,23 @@ def test_parallel_tool_calls_false_ends_the_answer_with_one_call(client):
                                       tool_choice='required', parallel_tool_calls=False, extra_body={'seed': seed})
         calls = [item for item in response.output if item.type == 'function_call']
         assert len(calls) == 1 and not response.output_text, response.output
+    # and Anthropic's disable_parallel_tool_use (it was not read), streamed or not
+    for i, stream in enumerate((False, True, False, True)):
+        body = {'model': model, 'max_tokens': 160, 'temperature': 1.0, 'stream': stream,
+                'messages': [{'role': 'user', 'content': f'Save the year {1990 + i}.'}],
+                'tools': [{'name': t['function']['name'], 'input_schema': t['function']['parameters']} for t in tools],
+                'tool_choice': {'type': 'any', 'disable_parallel_tool_use': True}}
+        request = urllib.request.Request(f'{server["base"]}/v1/messages', data=json.dumps(body).encode(),
+                                         headers={'content-type': 'application/json',
+                                                  'anthropic-version': '2023-06-01'})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            raw = r.read().decode()
+        if stream:
+            events = [json.loads(line[len('data: '):]) for line in raw.splitlines() if line.startswith('data: {')]
+            kinds = [e['content_block']['type'] for e in events if e.get('type') == 'content_block_start']
+        else:
+            kinds = [block['type'] for block in json.loads(raw)['content']]
+        assert kinds == ['tool_use'], (stream, raw[:600])
 
 
 def test_server_stays_healthy(client, server):
