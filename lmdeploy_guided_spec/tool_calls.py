@@ -165,7 +165,9 @@ def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_
     node = result.get('format')
     while isinstance(node, dict) and node.get('type') == 'sequence' and node.get('elements'):
         parent, key, node = node['elements'], 0, node['elements'][0]
-    content = node.get('content') if isinstance(node, dict) else None
+    if not isinstance(node, dict):
+        return response_format
+    content = node.get('content')
     if not (node.get('type') == 'tag' and node.get('begin') == '' and node.get('end') == close_tag
             and isinstance(content, dict) and content.get('type') == 'any_text'
             and open_tag in (content.get('excludes') or ())):
