@@ -144,20 +144,23 @@ def _may_open(open_tag: str, block: dict) -> dict:
         {'type': 'optional', 'content': {'type': 'const_string', 'value': open_tag}}, block]}
 
 
-def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_tag: str | None) -> dict:
+def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_tag: str | None,
+                             excludes: tuple[str, ...] | list[str] = ()) -> dict:
     """The structural tag ``response_format`` of calls with reasoning on, whose reasoning block may also begin with
-    its ``open_tag``.
+    its ``open_tag`` and whose text holds none of ``excludes``.
 
     The tags of calls with reasoning on (xgrammar's ``get_model_structural_tag(..., reasoning='enabled')``) start
     inside the reasoning block, as after a chat template that opens it (the prompt ends in ``<think>\\n``: DeepSeek-R1,
     Qwen3's thinking models), and exclude the open tag from the block's text. A template that leaves the tag to the
     model (Qwen3's hybrid template with thinking on) then has the model's first token masked. lmdeploy's response
-    parser takes both (it drops an open tag the model writes); with this, so does the grammar. Returns a new dict; a
-    tag whose first part is not such a block (reasoning off, other shapes, a block whose text admits the open tag) is
-    returned as it is.
+    parser takes both (it drops an open tag the model writes); with this, so does the grammar. ``excludes`` is what
+    the reasoning may not hold: the tool parser's open tag, as the parser reads a call written in the reasoning as a
+    call, its arguments unconstrained.
+
+    Returns a new dict; a tag whose first part is not such a block (reasoning off, other shapes) is returned as it
+    is, and so is one with nothing to change (the open tag is admitted only where the block's text excludes it).
     """
-    if not open_tag or not close_tag or not isinstance(response_format, dict) or response_format.get(
-            'type') != 'structural_tag':
+    if not close_tag or not isinstance(response_format, dict) or response_format.get('type') != 'structural_tag':
         return response_format
     result = copy.deepcopy(response_format)
     parent: Any = result
@@ -169,8 +172,14 @@ def admit_reasoning_open_tag(response_format: dict, open_tag: str | None, close_
         return response_format
     content = node.get('content')
     if not (node.get('type') == 'tag' and node.get('begin') == '' and node.get('end') == close_tag
-            and isinstance(content, dict) and content.get('type') == 'any_text'
-            and open_tag in (content.get('excludes') or ())):
+            and isinstance(content, dict) and content.get('type') == 'any_text'):
         return response_format
-    parent[key] = _may_open(open_tag, node)
+    excluded = list(content.get('excludes') or ())
+    admits = bool(open_tag) and open_tag in excluded
+    added = [text for text in dict.fromkeys(excludes) if text and text not in excluded]
+    if not admits and not added:
+        return response_format
+    content['excludes'] = excluded + added
+    if admits:
+        parent[key] = _may_open(open_tag, node)
     return result

@@ -88,3 +88,61 @@ def test_the_responses_api_reasons_before_its_text_format(client):
     response = c.responses.create(model=model, input='Is it ok? Score it.', max_output_tokens=24, temperature=0,
                                   text={'format': {'type': 'json_schema', 'name': 'verdict', 'schema': VERDICT}})
     assert response.status == 'incomplete' and not response.output_text, response
+
+
+YEAR = {'type': 'object', 'properties': {'year': {'type': 'integer', 'minimum': 1900, 'maximum': 2100}},
+        'required': ['year'], 'additionalProperties': False}
+SAVE_YEAR = {'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR, 'strict': True}}
+# '<', 'tool', '_call' of the DeepSeek-V3 tokenizer: the model is pushed to write '<tool_call>' in its reasoning too,
+# where lmdeploy's parser reads it as a call whose arguments nothing constrained
+TOOL_CALL = {'30': 30, '72461': 30, '112042': 30}
+
+
+@pytest.mark.parametrize('fields', [{'tool_choice': 'required'}, {'response_format': FORMAT}, {}],
+                         ids=['required', 'beside a format', 'strict, auto'])
+@pytest.mark.parametrize('stream', [False, True], ids=['plain', 'stream'])
+def test_with_reasoning_on_calls_follow_their_parameters_and_none_hides_in_the_reasoning(client, fields, stream):
+    """Reasoning on, a strict tool (patch 0073): the calls after the reasoning follow its parameters, the model
+    pushed towards ``<tool_call>`` everywhere writes none inside the reasoning, and beside a format the answer is the
+    document or calls (no call could start there, reasoning on). ``parallel_tool_calls: false`` ends the output with
+    the call: after calls the text is free, and the pushed model would write on to the limit."""
+    import json
+
+    import jsonschema
+    c, model = client
+    calls_seen = 0
+    for seed in range(2):
+        kwargs = dict(model=model, messages=[{'role': 'user', 'content': 'Save a year.'}], tools=[SAVE_YEAR],
+                      max_tokens=300, temperature=1.0, seed=seed, logit_bias={**END_THINKING, **TOOL_CALL},
+                      parallel_tool_calls=False, **fields)
+        content, reasoning, calls, reason = '', '', {}, None
+        if stream:
+            for chunk in c.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ''
+                    reasoning += getattr(choice.delta, 'reasoning_content', None) or ''
+                    for call in choice.delta.tool_calls or ():
+                        entry = calls.setdefault(call.index, {'name': '', 'arguments': ''})
+                        entry['name'] += call.function.name or ''
+                        entry['arguments'] += call.function.arguments or ''
+                    reason = choice.finish_reason or reason
+            calls = list(calls.values())
+        else:
+            choice = c.chat.completions.create(**kwargs).choices[0]
+            content, reason = choice.message.content or '', choice.finish_reason
+            reasoning = getattr(choice.message, 'reasoning_content', None) or ''
+            calls = [{'name': call.function.name, 'arguments': call.function.arguments}
+                     for call in choice.message.tool_calls or ()]
+        # tool_choice auto: text after the reasoning is free, and the pushed model may write on to the limit
+        assert reason in ('stop', 'tool_calls') or (not fields and not calls), (reason, content, reasoning, calls)
+        assert '<tool_call>' not in reasoning and '</think>' not in content, (reasoning, content)
+        assert len(calls) <= 1, calls
+        for call in calls:
+            assert call['name'] == 'save_year', calls
+            jsonschema.validate(json.loads(call['arguments']), YEAR)
+        calls_seen += len(calls)
+        if fields.get('tool_choice') == 'required':
+            assert calls, (content, reasoning)
+        elif 'response_format' in fields and not calls:
+            check_valid(content.strip(), FORMAT)
+    assert calls_seen or not fields, 'no call in two answers pushed towards one'

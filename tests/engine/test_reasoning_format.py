@@ -110,16 +110,22 @@ def test_without_reasoning_the_format_covers_the_whole_output(parser_cls):
 
 
 def test_tools_beside_reasoning_and_a_format(parser_cls):
-    """Tools the model may call beside a format, reasoning on: the answer is the document after the reasoning (the
-    calls stay impossible there, as before), and no call can hide in the reasoning: the tool parser would take a
-    ``<tool_call>`` written there for a call whose arguments nothing constrained."""
+    """Tools the model may call beside a format, reasoning on: the answer after the reasoning is the document or
+    calls, as with reasoning off (the calls were impossible there: patch 0073), and no call can hide in the
+    reasoning: the tool parser would take a ``<tool_call>`` written there for a call whose arguments nothing
+    constrained."""
     tool = {'type': 'function', 'function': {'name': 'save_year', 'parameters': {
         'type': 'object', 'properties': {'year': {'type': 'integer'}}, 'required': ['year']}}}
-    parser = _parser(parser_cls('default', 'qwen3'), response_format=VERDICT, tools=[tool])
-    grammar = _grammar(parser.request.response_format)
+    cls = parser_cls('default', 'qwen3')
+    grammar = _grammar(_parser(cls, response_format=VERDICT, tools=[tool]).request.response_format)
     assert accepts(grammar, f'{THOUGHT}</think>\n\n{{"ok": true}}')
-    call = '<tool_call>\n{"name": "save_year", "arguments": {"year": "x"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "save_year", "arguments": {"year": 1999}}\n</tool_call>'
+    assert accepts(grammar, f'<think>{THOUGHT}</think>\n\n{call}')
+    assert not accepts(grammar, f'{THOUGHT}</think>\n\n{call.replace("1999", "x")}')
     assert not accepts(grammar, f'{THOUGHT} {call}</think>\n\n{{"ok": true}}')
+    content, calls, reasoning = _parser(cls, response_format=VERDICT, tools=[tool]).parse_complete(
+        f'{THOUGHT}</think>\n\n{call}', [])
+    assert [c.function.name for c in calls] == ['save_year'] and reasoning.strip() == THOUGHT, (content, reasoning)
 
 
 def test_a_document_holding_tags_is_read_whole(parser_cls):

@@ -7,8 +7,10 @@ xgrammar, the real Qwen 3 tokenizer, lmdeploy's Qwen 3 tool parser).
 - A ``strict`` tool without a ``response_format`` gets calls that follow its parameters, the text around them free
   (0.18.0 patch 0068, OpenAI's strict): lmdeploy constrained no call with tool_choice auto.
 - An ``allowed_tools`` tool_choice constrains as its mode says (0.18.0 patch 0069): lmdeploy only hid the other tools.
-- Where nothing is constrained (a tool parser without a structural tag, reasoning on) nothing is refused either.
+- Where nothing is constrained (a tool parser without a structural tag) nothing is refused either.
 - With reasoning on, a forced call's reasoning block may begin with the model's own ``<think>`` (0.18.0 patch 0070).
+- With reasoning on, calls are constrained as with it off, after the reasoning, and none hides in the reasoning
+  (0.18.0 patch 0073).
 - ``parallel_tool_calls: false`` ends the output with one call (0.18.0 patch 0071).
 """
 import json
@@ -99,12 +101,14 @@ def test_a_strict_tool_the_model_may_call_gets_calls_that_follow_its_parameters(
     assert _parsed(parser_cls, tools=[_tool(strict=False)]) is None
 
 
-def test_a_strict_tool_with_keywords_the_grammar_does_not_enforce_is_refused(parser_cls):
+def test_a_strict_tool_with_keywords_the_grammar_does_not_enforce_is_refused():
     unenforced = {'type': 'object', 'properties': {'age': {'type': 'integer', 'not': {'const': 3}}}}
     tool = {'type': 'function', 'function': {'name': 'save_age', 'parameters': unenforced, 'strict': True}}
-    for fields in ({}, {'response_format': VERDICT}):
-        with pytest.raises(ValueError, match="save_age.*not at"):
-            _parsed(parser_cls, tools=[tool], **fields)
+    for reasoning_parser in (None, 'default'):
+        for cls in _parsers('qwen3', reasoning_parser):
+            for fields in ({}, {'response_format': VERDICT}):
+                with pytest.raises(ValueError, match="save_age.*not at"):
+                    _parsed(cls, tools=[tool], **fields)
 
 
 def _allowed(mode: str, *names: str) -> dict:
@@ -130,17 +134,17 @@ def test_allowed_tools_constrain_as_their_mode_says(parser_cls):
     assert _parsed(parser_cls, tools=tools, tool_choice=_allowed('auto', 'ping')) is None
 
 
-@pytest.mark.parametrize('tool_parser, reasoning_parser', [('llama3', None), ('internlm', None), ('qwen3', 'default')],
-                         ids=['llama3: no structural tag', 'internlm: its own required format', 'reasoning on'])
-def test_where_the_calls_are_not_constrained_a_strict_tool_is_not_refused(tool_parser, reasoning_parser):
+@pytest.mark.parametrize('tool_parser', ['llama3', 'internlm'],
+                         ids=['llama3: no structural tag', 'internlm: its own required format'])
+def test_where_the_calls_are_not_constrained_a_strict_tool_is_not_refused(tool_parser):
     """A strict tool whose parameters use keywords the grammar does not enforce is refused only where its calls are
-    constrained: with a tool parser that builds no constraint of them, or with reasoning on, the request is served as
-    lmdeploy serves it. (InternLM's parser builds its own format of required calls, which 0067 puts beside a
-    response_format: there the strict tool is refused.)"""
+    constrained: with a tool parser that builds no constraint of them, the request is served as lmdeploy serves it.
+    (InternLM's parser builds its own format of required calls, which 0067 puts beside a response_format: there the
+    strict tool is refused.)"""
     from lmdeploy_guided_spec.tool_calls import CALLS_KEY
     unenforced = {'type': 'object', 'properties': {'age': {'type': 'integer', 'not': {'const': 3}}}}
     tool = {'type': 'function', 'function': {'name': 'save_age', 'parameters': unenforced, 'strict': True}}
-    for cls in _parsers(tool_parser, reasoning_parser):
+    for cls in _parsers(tool_parser):
         assert _parsed(cls, tools=[tool]) is None
         if tool_parser == 'internlm':
             with pytest.raises(ValueError, match='save_age'):
@@ -175,6 +179,44 @@ def test_with_reasoning_on_a_forced_call_admits_the_models_own_reasoning_open_ta
         from lmdeploy_guided_spec.testing import grammar_compiler, load_tokenizer
         matcher = xgr.GrammarMatcher(grammar_compiler('qwen3').compile_grammar(grammar))
         assert matcher.accept_token(load_tokenizer('qwen3').convert_tokens_to_ids('<think>'))
+
+
+@pytest.mark.parametrize('fields', [
+    {'tool_choice': 'required'},
+    {'tool_choice': {'type': 'function', 'function': {'name': 'save_year'}}},
+    {'tool_choice': _allowed('required', 'save_year')},
+    {'response_format': VERDICT},
+    {'tool_choice': _allowed('auto', 'save_year'), 'response_format': VERDICT},
+    {},
+], ids=['required', 'named', 'allowed_tools', 'beside a format', 'allowed_tools beside a format', 'strict, auto'])
+def test_with_reasoning_on_calls_are_constrained_after_the_reasoning_and_none_hides_in_it(fields):
+    """Reasoning on (a reasoning parser that starts inside the block): the calls follow their parameters after the
+    reasoning, as with it off. lmdeploy's parser reads a call written inside the reasoning as a call, and the
+    reasoning block of forced calls admitted one (its arguments unconstrained: a strict tool's call broke its
+    parameters, ``parallel_tool_calls: false`` got two calls); beside a format, reasoning on, no call could start;
+    a strict tool's calls with tool_choice auto were not constrained (patch 0073)."""
+    for cls in _parsers('qwen3', 'default'):
+        fmt = _parsed(cls, tools=[_tool(strict=True)], **fields)
+        assert fmt is not None, fields
+        grammar = _grammar(fmt)
+        for text in _REASONED:
+            assert accepts(grammar, text), text
+            assert not accepts(grammar, text.replace('1999', '1850')), text
+        # a call inside the reasoning, one that follows the parameters or one that does not
+        for inside in (CALL, OFF):
+            assert not accepts(grammar, f'Hm {inside} hm</think>\n\n{CALL}'), inside
+        if 'response_format' in fields:
+            assert accepts(grammar, 'Hm.</think>\n\n{"ok": true}') and not accepts(grammar, 'Hm.</think>\n\nx')
+        if not fields:
+            assert accepts(grammar, 'Hm.</think>\n\nNo call.') and accepts(grammar, 'Hm.</think>\n\nSo: ' + CALL)
+        # the parser reads the reasoning, then the call
+        from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+        request = ChatCompletionRequest(model='m', messages=[{'role': 'user', 'content': 'Save a year.'}],
+                                        tools=[_tool(strict=True)], **fields)
+        content, calls, reasoning = cls(request).parse_complete(_REASONED[1], [])
+        assert [call.function.name for call in calls] == ['save_year'] and reasoning.strip() == 'Year 1999.', (
+            content, calls, reasoning)
+        assert json.loads(calls[0].function.arguments) == {'year': 1999}
 
 
 def test_internlms_required_calls_admit_the_open_tag_and_stop_after_one():

@@ -145,6 +145,30 @@ def test_a_reasoning_block_of_forced_calls_may_begin_with_its_open_tag(model):
     assert admit_reasoning_open_tag(free, '<think>', '</think>') is free
 
 
+def test_the_reasoning_block_of_calls_may_exclude_the_calls_open_tag():
+    """The response parser reads a call written in the reasoning as a call: the block's text excludes the tool
+    parser's open tag too. The open tag is admitted only where the block excluded it (minimax's excludes nothing)."""
+    fmt = xgr.get_model_structural_tag('qwen_3', _TOOLS, tool_choice='required', reasoning='enabled').model_dump(
+        mode='json')
+    call = '<tool_call>\n{"name": "save", "arguments": {"n": 1}}\n</tool_call>'
+    guarded = xgr.Grammar.from_structural_tag(json.dumps(
+        admit_reasoning_open_tag(fmt, '<think>', '</think>', excludes=['<tool_call>'])))
+    old = xgr.Grammar.from_structural_tag(json.dumps(fmt))
+    assert accepts(old, f'hm {call} hm</think>\n\n{call}'), 'a call inside the reasoning was admitted'
+    assert not accepts(guarded, f'hm {call} hm</think>\n\n{call}')
+    assert accepts(guarded, f'<think>hm</think>\n\n{call}') and accepts(guarded, f'hm</think>\n\n{call}')
+    # excluded already: nothing more to exclude
+    assert admit_reasoning_open_tag(fmt, None, '</think>', excludes=['</think>', '<think>']) is fmt
+    free = xgr.get_model_structural_tag('minimax', _TOOLS, tool_choice='required', reasoning='enabled').model_dump(
+        mode='json')
+    call = ('\n<minimax:tool_call>\n<invoke name="save">\n<parameter name="n">1</parameter>\n</invoke>\n'
+            '</minimax:tool_call>')
+    guarded = xgr.Grammar.from_structural_tag(json.dumps(
+        admit_reasoning_open_tag(free, '<think>', '</think>', excludes=['<minimax:tool_call>'])))
+    assert accepts(xgr.Grammar.from_structural_tag(json.dumps(free)), f'a {call} b</think>\n\n{call}')
+    assert not accepts(guarded, f'a {call} b</think>\n\n{call}') and accepts(guarded, f'<think> b</think>\n\n{call}')
+
+
 THINK = {'open': '<think>', 'close': '</think>'}
 
 
