@@ -272,11 +272,11 @@ def anthropic_body(rng: random.Random, model: str, hostile: bool) -> tuple[dict,
     return body, fmt, check
 
 
-def build(rng: random.Random, model: str, responses: bool = False,
-          messages: bool = False) -> tuple[str, dict, dict | None, Check, int | None]:
+def build(rng: random.Random, model: str, responses: bool = False, messages: bool = False,
+          logit_bias: dict | None = None) -> tuple[str, dict, dict | None, Check, int | None]:
     """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``; with
     ``responses``, of the Responses API (``/v1/responses``) too, with ``messages``, of Anthropic's Messages API
-    (``/v1/messages``) too."""
+    (``/v1/messages``) too; with ``logit_bias``, half the chat requests send it."""
     endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate']
                           + ['/v1/responses'] * responses + ['/v1/messages'] * messages)
     hostile = rng.random() < 0.25
@@ -304,6 +304,8 @@ def build(rng: random.Random, model: str, responses: bool = False,
                 body['tool_choice'] = choice
             if rng.random() < 0.2:
                 body['parallel_tool_calls'] = rng.choice([False, False, True])
+        if logit_bias is not None and rng.random() < 0.5:
+            body['logit_bias'] = logit_bias
     elif endpoint == '/v1/completions':
         fields, fmt, check = guided_fields(rng)
         body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
@@ -362,7 +364,15 @@ def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
     if endpoint == '/v1/messages':
         text = ''.join(block.get('text', '') for block in payload.get('content') or [] if block.get('type') == 'text')
         return [(text, 'stop' if payload.get('stop_reason') == 'end_turn' else payload.get('stop_reason'))]
-    return [((c.get('message') or {}).get('content'), c.get('finish_reason')) for c in payload.get('choices', [])]
+    texts = []
+    for c in payload.get('choices', []):
+        message = c.get('message') or {}
+        text = message.get('content')
+        if message.get('reasoning_content') and text is not None and not text[:4].strip():
+            # the document after the reasoning: up to 4 whitespace characters (``</think>\n\n``) stay in content
+            text = text[:4].lstrip(' \t\r\n') + text[4:]
+        texts.append((text, c.get('finish_reason')))
+    return texts
 
 
 def _message(text: str) -> str:
@@ -634,11 +644,12 @@ async def _paths(client: aiohttp.ClientSession, base: str) -> dict:
 
 
 async def run(base: str, seed: int, *, requests: int | None = None, seconds: float | None = None,
-              wait_s: float = 0, forced_tools: bool = True, out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
+              wait_s: float = 0, forced_tools: bool = True, logit_bias: dict | None = None,
+              out=sys.stdout) -> tuple[list[Outcome], list[Outcome]]:
     """Waves of random requests until ``requests`` were sent or ``seconds`` passed: ``(outcomes, failures)``, the
     failed check requests among the failures. Progress goes to ``out`` after each wave. A server that does not
     answer yet is waited for up to ``wait_s``. Without ``forced_tools`` the calls of a forced ``tool_choice`` are
-    not checked (lmdeploy 0.14.0 does not enforce it)."""
+    not checked (lmdeploy 0.14.0 does not enforce it). ``logit_bias`` goes with half the chat requests."""
     rng = random.Random(seed)
     outcomes_all: list[Outcome] = []
     failures: list[Outcome] = []
@@ -648,7 +659,7 @@ async def run(base: str, seed: int, *, requests: int | None = None, seconds: flo
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3)) as client:
         model = await _model(client, base, wait_s, out)
         paths = await _paths(client, base)
-        extra = dict(responses='/v1/responses' in paths, messages='/v1/messages' in paths)
+        extra = dict(responses='/v1/responses' in paths, messages='/v1/messages' in paths, logit_bias=logit_bias)
         start = time.monotonic()
         sent, wave = 0, 0
         while (requests is None or sent < requests) and (seconds is None or time.monotonic() - start < seconds):
@@ -699,12 +710,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--tool-choice-unenforced', action='store_true',
                         help="don't check the calls of tool_choice required / any / by name: the server does not "
                              'enforce them (lmdeploy 0.14.0)')
+    parser.add_argument('--logit-bias', type=json.loads, default=None, metavar='JSON',
+                        help='a logit_bias sent with half the chat requests, e.g. the tokens of "</think>", which end '
+                             "a tiny model's reasoning on a server with a reasoning parser")
     args = parser.parse_args(argv)
     if args.seconds is None and args.requests is None:
         args.seconds = 300
     outcomes, failures = asyncio.run(run(args.url.rstrip('/'), args.seed, requests=args.requests,
                                          seconds=args.seconds, wait_s=args.wait,
-                                         forced_tools=not args.tool_choice_unenforced))
+                                         forced_tools=not args.tool_choice_unenforced,
+                                         logit_bias=args.logit_bias))
     report(outcomes, failures)
     return 1 if failures else 0
 
