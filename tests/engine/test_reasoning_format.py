@@ -1,12 +1,13 @@
-"""A response format with a reasoning parser on (0.18.0 patch 0072), read through lmdeploy's real request and
-response parser classes, the grammar the engine compiles of the request (real xgrammar, the real Qwen 3 tokenizer
-and chat template) and the parser's reading of outputs the grammar accepts.
+"""A response format with a reasoning parser on (0.18.0 patch 0072, 0.14.0 patch 0074), read through lmdeploy's real
+request and response parser classes, the grammar the engine compiles of the request (real xgrammar, the real Qwen 3
+tokenizer and chat template) and the parser's reading of outputs the grammar accepts.
 
 lmdeploy's reasoning parsers start inside the reasoning block (the default parser always, DeepSeek's when thinking is
 on), and the grammar of a ``response_format`` covered the whole output: the model had to answer in the format from
 its first token, without reasoning (a Qwen3 model's own first token, ``<think>``, masked), and the parser, waiting
 for the block to close, gave the whole document as ``reasoning_content`` and ``content`` None. Now the model reasons,
-then answers in the format: the document comes as ``content``.
+then answers in the format: the document comes as ``content``. Tools beside the format are 0.18.0's (0.14.0 builds no
+constraint of calls).
 """
 import json
 
@@ -21,12 +22,19 @@ VERDICT = {'type': 'json_schema', 'json_schema': {'name': 'verdict', 'schema': {
 THOUGHT = 'The user asks whether it is ok. It is.'
 
 
+def _with_tool_constraints() -> bool:
+    """lmdeploy 0.18.0: the response parser builds constraints of tool calls (0.14.0's builds none)."""
+    try:
+        from lmdeploy.serve.parsers import response_parser
+    except ImportError:
+        return False
+    return hasattr(response_parser, '_check_strict_tools')
+
+
 @pytest.fixture
 def parser_cls():
     response_parser = pytest.importorskip('lmdeploy.serve.parsers.response_parser')
-    cls = getattr(response_parser, 'BaseResponseParser', None)
-    if cls is None or not hasattr(response_parser, '_check_strict_tools'):
-        pytest.skip('this lmdeploy has no structural-tag constraints (0.14.0)')
+    cls = response_parser.BaseResponseParser
 
     def use(reasoning_parser: str | None, tool_parser: str | None = None):
         # (set_parsers leaves a parser it is not given as it was)
@@ -49,21 +57,37 @@ def _parser(cls, **fields):
 def _grammar(response_format: dict) -> xgr.Grammar:
     """The grammar the engine compiles of a response format (its compile service's kind and source; the other
     ranks' compile of it must take it too)."""
-    from lmdeploy._guided_decoding import compile_response_format, ensure_response_format_shape
-    from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
-
     from lmdeploy_guided_spec.testing import grammar_compiler
     from lmdeploy_guided_spec.tool_calls import document_or_calls_tag
-    ensure_response_format_shape(response_format)
-    compiled = compile_response_format(grammar_compiler('qwen3'), response_format)
-    kind, source, options = GuidedDecodingManager.compile_args(response_format)
+    if _with_tool_constraints():
+        from lmdeploy._guided_decoding import compile_response_format, ensure_response_format_shape
+        from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
+        ensure_response_format_shape(response_format)
+        compiled = compile_response_format(grammar_compiler('qwen3'), response_format)
+        kind, source, options = GuidedDecodingManager.compile_args(response_format)
+    else:
+        from lmdeploy.serve.utils.response_format import response_format_error
+        assert response_format_error(response_format) is None
+        manager = _manager()
+        kind, source, options = manager.compile_args(response_format)
+        # the other ranks' compile: the matcher of the engine's own compile
+        manager.processors = {}
+        compiled = manager.get_processors([{'session_id': 1, 'seq_id': 1}], (response_format,))[0]
     if kind == 'document_or_calls':
         tag = json.dumps(document_or_calls_tag(source))
-        # the other ranks' compile is the compile service's grammar
-        assert str(compiled.grammar) == str(grammar_compiler('qwen3').compile_structural_tag(tag).grammar)
+        if isinstance(compiled, xgr.CompiledGrammar):
+            assert str(compiled.grammar) == str(grammar_compiler('qwen3').compile_structural_tag(tag).grammar)
         return xgr.Grammar.from_structural_tag(tag)
-    assert kind == 'json_schema', kind
-    return xgr.Grammar.from_json_schema(source, **options)
+    assert kind in ('json_schema', 'regex'), kind
+    return xgr.Grammar.from_json_schema(source, **options) if kind == 'json_schema' else xgr.Grammar.from_regex(source)
+
+
+def _manager():
+    """0.14.0's GuidedDecodingManager of the Qwen 3 tokenizer."""
+    from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
+
+    from lmdeploy_guided_spec.testing import load_tokenizer, tokenizer_info
+    return GuidedDecodingManager(load_tokenizer('qwen3'), tokenizer_info('qwen3').vocab_size)
 
 
 @pytest.mark.parametrize('fmt', [VERDICT, {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': 'yes|no'}],
@@ -109,6 +133,7 @@ def test_without_reasoning_the_format_covers_the_whole_output(parser_cls):
     assert accepts(_grammar(parser.request.response_format), f'{THOUGHT}</think>\n\n{{"ok": true}}')
 
 
+@pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
 def test_tools_beside_reasoning_and_a_format(parser_cls):
     """Tools the model may call beside a format, reasoning on: the answer after the reasoning is the document or
     calls, as with reasoning off (the calls were impossible there: patch 0073), and no call can hide in the
@@ -146,6 +171,7 @@ def test_a_document_holding_tags_is_read_whole(parser_cls):
             assert (reasoning or '') == (THOUGHT if before else ''), reasoning
 
 
+@pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
 def test_with_a_tool_parser_no_call_hides_in_the_reasoning(parser_cls):
     """The parser looks for calls in the reasoning wherever a tool parser is on (tools or not): the grammar keeps the
     tool parser's open tag out of the reasoning alike."""
@@ -171,6 +197,9 @@ def test_with_a_tool_parser_no_call_hides_in_the_reasoning(parser_cls):
 def test_the_reasoning_parsers_and_their_switches(parser_cls, parser, kwargs, reasons):
     """Each reasoning parser's switch of thinking: the document follows the reasoning exactly where the parser starts
     inside the block, so that what it reads as reasoning is the reasoning."""
+    from lmdeploy.serve.parsers.reasoning_parser import ReasoningParserManager
+    if parser not in ReasoningParserManager.module_dict:
+        pytest.skip(f'this lmdeploy has no reasoning parser {parser}')
     cls = parser_cls(parser)
     fields = {'chat_template_kwargs': kwargs} if kwargs else {}
     grammar = _grammar(_parser(cls, response_format=VERDICT, **fields).request.response_format)
@@ -178,3 +207,51 @@ def test_the_reasoning_parsers_and_their_switches(parser_cls, parser, kwargs, re
     assert accepts(grammar, output) and not accepts(grammar, '{"ok": true}' if reasons else output + ' ')
     content, _, reasoning = _parser(cls, response_format=VERDICT, **fields).parse_complete(output, [])
     assert content.strip() == '{"ok": true}' and (reasoning or '') == (THOUGHT if reasons else ''), (content, reasoning)
+
+
+@pytest.mark.parametrize('fmt, message', [
+    ({'type': 'json_object', 'reasoning': {'close': 5}}, 'printable strings'),
+    ({'type': 'json_object', 'reasoning': {'close': '</think>', 'depth': 3}}, r'"open": <tag or null>'),
+    ({'type': 'text', 'reasoning': {'close': '</think>'}}, 'applies to json_schema, json_object and regex_schema only'),
+])
+def test_a_malformed_reasoning_key_is_refused_where_the_request_enters(fmt, message):
+    """The reasoning key is the parser's, but a pipeline user may write one: a malformed one is refused by the entry
+    check (an HTTP 400, the request failed alone), never compiled into the engine."""
+    import re
+    if _with_tool_constraints():
+        from lmdeploy._guided_decoding import ensure_response_format_shape
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ensure_response_format_shape(fmt)
+    else:
+        from lmdeploy.serve.utils.response_format import response_format_error
+        assert message in (response_format_error(fmt) or ''), response_format_error(fmt)
+        if fmt['type'] != 'text':  # text compiles nothing
+            with pytest.raises(ValueError, match=re.escape(message)):
+                _manager().compile_args(fmt)
+
+
+@pytest.mark.parametrize('cut', [1, 2, 5, 7], ids=lambda n: f'cut after {n}')
+def test_a_streamed_close_tag_split_across_chunks_ends_the_reasoning(parser_cls, cut):
+    """A model may write ``</think>`` in pieces (the grammar takes the text however it is tokenized; a tiny model's
+    '</', 'think', '>'), and speculative decoding streams several tokens per chunk: a chunk may end inside the tag.
+    lmdeploy 0.14.0's parser gave the chunk to the reasoning whole, so it never saw the tag, and the document came as
+    reasoning (0.14.0 patch 0075; 0.18.0 holds back a part of the tag). The reasoning that ends with a part of the tag
+    when the output ends keeps it."""
+    cls = parser_cls('default')
+    parser = _parser(cls, response_format=VERDICT)
+    output = f'{THOUGHT}</think>\n\n{{"ok": true}}'
+    split = len(THOUGHT) + cut
+    content, reasoning = '', ''
+    for i, chunk in enumerate((output[:split], output[split:])):
+        for delta, _ in parser.stream_chunk(chunk, [1], final=i == 1):
+            content += delta.content or ''
+            reasoning += delta.reasoning_content or ''
+    assert reasoning == THOUGHT and content.strip() == '{"ok": true}', (reasoning, content)
+    # cut by max_tokens inside the tag: the part is reasoning, given with the last chunk
+    parser = _parser(cls, response_format=VERDICT)
+    reasoning = ''
+    for i, chunk in enumerate((THOUGHT, '</thi')):
+        for delta, _ in parser.stream_chunk(chunk, [1], final=i == 1):
+            assert not delta.content, delta
+            reasoning += delta.reasoning_content or ''
+    assert reasoning == THOUGHT + '</thi', reasoning
