@@ -276,7 +276,8 @@ def build(rng: random.Random, model: str, responses: bool = False, messages: boo
           logit_bias: dict | None = None) -> tuple[str, dict, dict | None, Check, int | None]:
     """One request: ``(endpoint, body, response_format, check, chunks to read before leaving or None)``; with
     ``responses``, of the Responses API (``/v1/responses``) too, with ``messages``, of Anthropic's Messages API
-    (``/v1/messages``) too; with ``logit_bias``, half the chat requests send it."""
+    (``/v1/messages``) too; with ``logit_bias``, half the chat requests send it, and none goes without a limit of
+    its output."""
     endpoint = rng.choice(['/v1/chat/completions'] * 3 + ['/v1/completions', '/generate']
                           + ['/v1/responses'] * responses + ['/v1/messages'] * messages)
     hostile = rng.random() < 0.25
@@ -306,6 +307,11 @@ def build(rng: random.Random, model: str, responses: bool = False, messages: boo
                 body['parallel_tool_calls'] = rng.choice([False, False, True])
         if logit_bias is not None and rng.random() < 0.5:
             body['logit_bias'] = logit_bias
+        if logit_bias is not None and body.get('max_tokens', 0) is None:
+            # a server with a reasoning parser: the tiny model's reasoning, which the bias does not end when it
+            # decodes greedily (it cycles through the biased tokens), would run to the end of the context (minutes
+            # on CPU ranks)
+            body['max_tokens'] = 64
     elif endpoint == '/v1/completions':
         fields, fmt, check = guided_fields(rng)
         body = {'model': model, 'prompt': rng.choice([*PROMPTS, ['a', 'b'], [1, 2, 3]]), **params, **fields}
@@ -318,6 +324,9 @@ def build(rng: random.Random, model: str, responses: bool = False, messages: boo
     elif endpoint == '/v1/responses':
         fmt, check = response_format(rng)
         params['max_output_tokens'] = params.pop('max_tokens', None)
+        if logit_bias is not None and params['max_output_tokens'] is None:
+            # the Responses API ignores logit_bias: a tiny model's reasoning would run to the end of the context
+            params['max_output_tokens'] = 64
         body = {'model': model, 'input': rng.choice(PROMPTS), **params}
         if rng.random() < 0.3:
             body['input'] = [{'role': 'user', 'content': rng.choice(PROMPTS)}]
