@@ -435,12 +435,16 @@ def test_a_response_format_beside_tools_the_model_may_call_admits_the_calls(clie
     c, model = client
     tools = [{'type': 'function', 'function': {'name': 'save_year', 'parameters': YEAR}}]
     seen = []
-    for seed in range(12):
+    # up to 24 answers, until both kinds came (seeded sampling is not the same from run to run under load: 12 seeds
+    # once gave 12 documents of the regex)
+    for seed in range(24):
         extra = {'tool_choice': 'auto'} if seed % 2 else {}
         choice = c.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Save a year.'}],
                                            tools=tools, response_format=fmt, max_tokens=96, temperature=1.0,
                                            seed=seed, **extra).choices[0]
         seen.append(_document_or_calls(choice, fmt))
+        if {'calls', 'document'} <= set(seen):
+            break
     assert {'calls', 'document'} <= set(seen), seen
 
 

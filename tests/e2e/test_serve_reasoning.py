@@ -104,8 +104,10 @@ TOOL_CALL = {'30': 30, '72461': 30, '112042': 30}
 
 
 @pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
-@pytest.mark.parametrize('fields', [{'tool_choice': 'required'}, {'response_format': FORMAT}, {}],
-                         ids=['required', 'beside a format', 'strict, auto'])
+# (tool_choice auto without a format: tests/engine/test_tool_constraints.py; here the text after the reasoning is free,
+# and the pushed tiny model writes it to max_tokens: minutes on a loaded machine)
+@pytest.mark.parametrize('fields', [{'tool_choice': 'required'}, {'response_format': FORMAT}],
+                         ids=['required', 'beside a format'])
 @pytest.mark.parametrize('stream', [False, True], ids=['plain', 'stream'])
 def test_with_reasoning_on_calls_follow_their_parameters_and_none_hides_in_the_reasoning(client, fields, stream):
     """Reasoning on, a strict tool (patch 0073): the calls after the reasoning follow its parameters, the model
@@ -139,8 +141,7 @@ def test_with_reasoning_on_calls_follow_their_parameters_and_none_hides_in_the_r
             reasoning = getattr(choice.message, 'reasoning_content', None) or ''
             calls = [{'name': call.function.name, 'arguments': call.function.arguments}
                      for call in choice.message.tool_calls or ()]
-        # tool_choice auto: text after the reasoning is free, and the pushed model may write on to the limit
-        assert reason in ('stop', 'tool_calls') or (not fields and not calls), (reason, content, reasoning, calls)
+        assert reason in ('stop', 'tool_calls'), (reason, content, reasoning, calls)
         assert '<tool_call>' not in reasoning and '</think>' not in content, (reasoning, content)
         assert len(calls) <= 1, calls
         for call in calls:
@@ -151,4 +152,4 @@ def test_with_reasoning_on_calls_follow_their_parameters_and_none_hides_in_the_r
             assert calls, (content, reasoning)
         elif 'response_format' in fields and not calls:
             check_valid(content.strip(), FORMAT)
-    assert calls_seen or not fields, 'no call in two answers pushed towards one'
+    assert calls_seen, 'no call in two answers pushed towards one'
