@@ -255,3 +255,20 @@ def test_a_streamed_close_tag_split_across_chunks_ends_the_reasoning(parser_cls,
             assert not delta.content, delta
             reasoning += delta.reasoning_content or ''
     assert reasoning == THOUGHT + '</thi', reasoning
+
+
+@pytest.mark.parametrize('tail', ['<', '<tool', '<thi'], ids=repr)
+def test_a_stream_that_ends_with_a_part_of_an_open_tag_keeps_it(parser_cls, tail):
+    """The answer after the reasoning may end with what begins an open tag (``a <``, a call cut by ``max_tokens``
+    inside its tag): the parser holds it back for the next chunk, and the last chunk gives it as content. lmdeploy
+    0.14.0's parser dropped it (0.14.0 patch 0075); 0.18.0 gives it."""
+    cls = parser_cls('default', 'qwen3')
+    parser = _parser(cls, tools=[{'type': 'function', 'function': {'name': 'f', 'parameters': {'type': 'object'}}}])
+    content, reasoning = '', ''
+    chunks = (f'{THOUGHT}</think>', 'It is a ', tail)
+    for i, chunk in enumerate(chunks):
+        for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+            assert not delta.tool_calls, delta
+            content += delta.content or ''
+            reasoning += delta.reasoning_content or ''
+    assert reasoning == THOUGHT and content == 'It is a ' + tail, (reasoning, content)
