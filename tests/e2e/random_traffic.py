@@ -269,7 +269,17 @@ def anthropic_body(rng: random.Random, model: str, hostile: bool) -> tuple[dict,
             body['tool_choice'] = {'type': 'any' if choice == 'required' else 'auto'}
         elif isinstance(choice, dict) and 'function' in choice:
             body['tool_choice'] = {'type': 'tool', 'name': choice['function']['name']}
+        if rng.random() < 0.3:
+            # Anthropic's parallel_tool_calls false: at most one tool_use block
+            body['tool_choice'] = {'type': 'auto', **body.get('tool_choice', {}),
+                                   'disable_parallel_tool_use': rng.choice([True, True, False])}
     return body, fmt, check
+
+
+def _parallel_tool_calls(rng: random.Random, body: dict) -> None:
+    """Sometimes OpenAI's ``parallel_tool_calls`` (chat and Responses), mostly false."""
+    if rng.random() < 0.2:
+        body['parallel_tool_calls'] = rng.choice([False, False, True])
 
 
 def build(rng: random.Random, model: str, responses: bool = False, messages: bool = False,
@@ -303,8 +313,7 @@ def build(rng: random.Random, model: str, responses: bool = False, messages: boo
                     'tools': [{'type': 'function', 'function': {'name': name}} for name in allowed]}}
             if choice is not None:
                 body['tool_choice'] = choice
-            if rng.random() < 0.2:
-                body['parallel_tool_calls'] = rng.choice([False, False, True])
+            _parallel_tool_calls(rng, body)
         if logit_bias is not None and rng.random() < 0.5:
             body['logit_bias'] = logit_bias
         if logit_bias is not None and body.get('max_tokens', 0) is None:
@@ -340,8 +349,7 @@ def build(rng: random.Random, model: str, responses: bool = False, messages: boo
                 choice = {'type': 'function', **choice['function']}
             if choice is not None:
                 body['tool_choice'] = choice
-            if rng.random() < 0.2:
-                body['parallel_tool_calls'] = rng.choice([False, False, True])
+            _parallel_tool_calls(rng, body)
     elif endpoint == '/v1/messages':
         body, fmt, check = anthropic_body(rng, model, hostile)
     else:
@@ -424,7 +432,7 @@ def _forced_tools(endpoint: str, body: dict) -> tuple[dict, str | None, bool] | 
         functions = {t['name']: t['input_schema'] for t in body['tools']}
         if isinstance(choice, dict) and choice.get('type') in ('any', 'tool'):
             return functions, choice.get('name'), True
-        if (choice is None or choice == {'type': 'auto'}) and body.get('output_format'):
+        if (choice is None or choice.get('type') == 'auto') and body.get('output_format'):
             return functions, None, False
         return None
     if endpoint == '/v1/responses':
@@ -490,7 +498,12 @@ def check_tool_calls(endpoint: str, body: dict, payload: dict) -> str | None:
     None: a call of a function not offered (or not the named one), arguments that are not a JSON object or not an
     instance of exact parameters (a function without parameters: ``{}``), an answer to a forced tool_choice that
     stopped without a call, or, with ``parallel_tool_calls`` false, more than one call or text after a forced call
-    (the output ends with it). Answers cut by ``max_tokens`` are not checked."""
+    (the output ends with it), and Anthropic's ``disable_parallel_tool_use`` with more than one tool_use block
+    (constrained or not: the server keeps the first). Answers cut by ``max_tokens`` are not checked."""
+    if endpoint == '/v1/messages' and (body.get('tool_choice') or {}).get('disable_parallel_tool_use') is True:
+        uses = [b for b in payload.get('content') or [] if b.get('type') == 'tool_use']
+        if len(uses) > 1:
+            return f'disable_parallel_tool_use, and {len(uses)} tool_use blocks: {json.dumps(payload)[:300]}'
     constrained = _forced_tools(endpoint, body)
     if constrained is None or body.get('stop') or body.get('stop_sequences'):
         return None

@@ -510,6 +510,31 @@ def test_random_traffic(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+def test_random_traffic_tells_one_call_from_several():
+    """The hunt's judge of calls (no server): ``parallel_tool_calls`` false on chat and Anthropic's
+    ``disable_parallel_tool_use`` (constrained or not) fail an answer with two calls, and pass one with one."""
+    tools = [{'type': 'function', 'function': {'name': 'f', 'description': 'f', 'parameters': None}}]
+    chat = {'tools': tools, 'tool_choice': 'required', 'parallel_tool_calls': False}
+    call = {'function': {'name': 'f', 'arguments': '{}'}}
+
+    def answer(*calls):
+        return {'choices': [{'finish_reason': 'tool_calls', 'message': {'tool_calls': list(calls)}}]}
+
+    assert random_traffic.check_tool_calls('/v1/chat/completions', chat, answer(call)) is None
+    assert 'parallel_tool_calls false' in random_traffic.check_tool_calls('/v1/chat/completions', chat,
+                                                                         answer(call, call))
+    use = {'type': 'tool_use', 'name': 'f', 'input': {}}
+    for choice in ({'type': 'auto'}, {'type': 'any'}):
+        messages = {'tools': [{'name': 'f', 'description': 'f', 'input_schema': {'type': 'object'}}],
+                    'tool_choice': {**choice, 'disable_parallel_tool_use': True}}
+        one = {'stop_reason': 'tool_use', 'content': [use]}
+        assert random_traffic.check_tool_calls('/v1/messages', messages, one) is None
+        two = random_traffic.check_tool_calls('/v1/messages', messages, {**one, 'content': [use, use]})
+        assert two is not None and 'disable_parallel_tool_use' in two, (choice, two)
+        messages['tool_choice']['disable_parallel_tool_use'] = False
+        assert random_traffic.check_tool_calls('/v1/messages', messages, {**one, 'content': [use, use]}) is None
+
+
 def test_sampling_that_leaves_one_token_is_greedy_decoding(server):
     """Through the server (eagle3), concurrent and streamed: sampling that leaves a single token at each step
     (``top_k=1``, a ``top_p`` or ``min_p`` that only the likeliest token passes, a temperature of 1e-38) must give
