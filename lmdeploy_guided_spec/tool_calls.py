@@ -112,10 +112,16 @@ def document_or_calls_tag(source: str | dict) -> dict:
     return {'type': 'structural_tag', 'format': answer}
 
 
+def _printable(text: str) -> bool:
+    """No control character but whitespace (tab, newline, carriage return), no lone surrogate."""
+    return all(c.isprintable() or c in '\t\n\r' for c in text)
+
+
 def reasoning_tags(value) -> tuple[str | None, str, tuple[str, ...]]:
     """The ``(open, close, excludes)`` of a :data:`REASONING_KEY` value; ``ValueError`` for one that is not
     ``{"open": str or None, "close": str, "excludes": [str, ...]}`` (``excludes`` optional, at most 8) with printable
-    texts (no control character, no lone surrogate) of 1 to 64 characters."""
+    texts (no control character but whitespace: DeepSeek-V3.2's calls open with ``\\n\\n<｜DSML｜...>``; no lone
+    surrogate) of 1 to 64 characters."""
     if not isinstance(value, dict) or set(value) - {'open', 'close', 'excludes'}:
         raise ValueError(f'response_format {REASONING_KEY} is {{"open": <tag or null>, "close": <tag>, "excludes": '
                          '[<text>, ...] (optional)}')
@@ -123,7 +129,7 @@ def reasoning_tags(value) -> tuple[str | None, str, tuple[str, ...]]:
     if not isinstance(excludes, list) or len(excludes) > _MAX_EXCLUDES:
         raise ValueError(f'response_format {REASONING_KEY} excludes is a list of at most {_MAX_EXCLUDES} texts')
     for text in [close_tag, *excludes] if open_tag is None else [open_tag, close_tag, *excludes]:
-        if not isinstance(text, str) or not text or len(text) > _MAX_TAG_CHARS or not text.isprintable():
+        if not isinstance(text, str) or not text or len(text) > _MAX_TAG_CHARS or not _printable(text):
             raise ValueError(f'response_format {REASONING_KEY} texts are printable strings of 1 to {_MAX_TAG_CHARS} '
                              f'characters (the open tag may be null), got {text!r}')
     return open_tag, close_tag, tuple(excludes)

@@ -654,6 +654,10 @@ RESPONSES_BAD = {
     'unknown whitespace': ({'type': 'json_schema', 'name': 'p', 'schema': PERSON, 'whitespace': 'wide'},
                            'whitespace'),
     'invalid schema': ({'type': 'json_schema', 'name': 'p', 'schema': {'type': 'nonsense'}}, 'nonsense'),
+    # values the entry check passes and the chat request built of the format refuses (HTTP 500 on 0.14.0 before
+    # its patch 0074 caught them)
+    'strict not a boolean': ({'type': 'json_schema', 'name': 'p', 'schema': PERSON, 'strict': [1]}, 'strict'),
+    'empty whitespace': ({'type': 'json_schema', 'name': 'p', 'schema': PERSON, 'whitespace': ''}, 'whitespace'),
 }
 
 
@@ -694,7 +698,9 @@ def test_the_anthropic_messages_api_follows_output_format(server):
     check_valid(text, {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}})
     for output_format, message in (({'type': 'json_schema', 'schema': 'not an object'}, 'output_format.schema'),
                                    ({'type': 'regex', 'pattern': 'a+'}, 'output_format type'),
-                                   ({'type': 'json_schema', 'schema': {'type': 'nonsense'}}, 'nonsense')):
+                                   ({'type': 'json_schema', 'schema': {'type': 'nonsense'}}, 'nonsense'),
+                                   ({'type': 'json_schema', 'schema': PERSON, 'whitespace': ''}, 'whitespace'),
+                                   ({'type': 'json_schema', 'schema': PERSON, 'whitespace': 0}, 'whitespace')):
         status, answer = _anthropic_message(server, {**body, 'output_format': output_format})
         assert status == 400 and message in answer['error']['message'], answer
     assert server[0].poll() is None

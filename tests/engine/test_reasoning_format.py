@@ -172,6 +172,69 @@ def test_a_document_holding_tags_is_read_whole(parser_cls):
 
 
 @pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
+@pytest.mark.parametrize('thinking', [True, False], ids=['reasoning', 'no reasoning'])
+def test_beside_tools_a_document_holding_tags_is_read_whole(parser_cls, thinking):
+    """Tools beside the format (the answer is the document or calls): the answer that does not begin with a call is
+    the document, read whole, streamed or not; the parser read a ``<tool_call>`` or ``<think>`` inside one of its
+    strings as a call or reasoning (the content stopped at the tag). An answer that begins with a call is calls."""
+    tool = {'type': 'function', 'function': {'name': 'f', 'parameters': {
+        'type': 'object', 'properties': {'n': {'type': 'integer'}}, 'required': ['n']}}}
+    fields = {'tools': [tool], 'chat_template_kwargs': {'enable_thinking': thinking}}
+    cls = parser_cls('default', 'qwen3')
+    before = f'{THOUGHT}</think>\n\n' if thinking else ''
+    fmt = _parser(cls, response_format={'type': 'json_object'}, **fields).request.response_format
+    for inner in ('<think>b', '<tool_call>b', 'a</think>b', '<tool_call>\n{"name": "f", "arguments": {"n": 1}}\n</'):
+        document = json.dumps({'note': inner})
+        assert accepts(_grammar(fmt), before + document), inner
+        for cut in (None, 1, 3, len(before) + 12):
+            parser = _parser(cls, response_format={'type': 'json_object'}, **fields)
+            if cut is None:
+                content, calls, reasoning = parser.parse_complete(before + document, [])
+            else:
+                output, content, calls, reasoning = before + document, '', [], ''
+                chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
+                for i, chunk in enumerate(chunks):
+                    for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+                        content += delta.content or ''
+                        reasoning += delta.reasoning_content or ''
+                        calls += delta.tool_calls or []
+            assert content.strip() == document and not calls, (inner, cut, content, reasoning)
+            assert (reasoning or '') == (THOUGHT if thinking else ''), (inner, cut, reasoning)
+    call = '<tool_call>\n{"name": "f", "arguments": {"n": 1}}\n</tool_call>'
+    assert accepts(_grammar(fmt), before + call)
+    for cut in (None, 2):
+        parser = _parser(cls, response_format={'type': 'json_object'}, **fields)
+        if cut is None:
+            content, calls, reasoning = parser.parse_complete(before + call, [])
+        else:
+            output, content, calls = before + call, '', []
+            chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
+            for i, chunk in enumerate(chunks):
+                for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+                    content += delta.content or ''
+                    calls += delta.tool_calls or []
+        assert [c.function.name for c in calls if c.function.name] == ['f'] and not (content or '').strip(), (
+            cut, content, calls)
+
+
+@pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
+@pytest.mark.parametrize('parsers', ['deepseek-v32', 'deepseek-v4'])
+def test_a_tool_tag_that_begins_with_whitespace_stays_out_of_the_reasoning(parser_cls, parsers):
+    """DeepSeek-V3.2's and V4's tool parsers open a call with ``\\n\\n<｜DSML｜...>``: with thinking on, tools beside
+    a format were refused (HTTP 400 naming a ``reasoning`` key the user never sent: the texts of a reasoning block
+    were printable only); they take the document after the reasoning, and no call in it."""
+    tool = {'type': 'function', 'function': {'name': 'f', 'parameters': {'type': 'object', 'properties': {}}}}
+    cls = parser_cls(parsers, parsers)
+    parser = _parser(cls, response_format=VERDICT, tools=[tool], chat_template_kwargs={'thinking': True})
+    grammar = _grammar(parser.request.response_format)
+    tag = parser.tool_parser.get_tool_open_tag()
+    assert tag.startswith('\n\n')
+    assert accepts(grammar, f'{THOUGHT}</think>{{"ok": true}}')
+    assert not accepts(grammar, f'{THOUGHT}{tag}</think>{{"ok": true}}')
+    assert parser.parse_complete(f'{THOUGHT}</think>{{"ok": true}}', [])[0] == '{"ok": true}'
+
+
+@pytest.mark.skipif('not _with_tool_constraints()', reason='0.14.0 builds no constraint of calls')
 def test_with_a_tool_parser_no_call_hides_in_the_reasoning(parser_cls):
     """The parser looks for calls in the reasoning wherever a tool parser is on (tools or not): the grammar keeps the
     tool parser's open tag out of the reasoning alike."""

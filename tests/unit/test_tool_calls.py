@@ -194,10 +194,13 @@ def test_a_document_after_reasoning(calls):
 def test_the_reasoning_of_a_response_format_is_checked():
     assert reasoning_tags(THINK) == ('<think>', '</think>', ()) and reasoning_tags({'close': '</think>'})[0] is None
     assert reasoning_tags({**THINK, 'excludes': ['<tool_call>']})[2] == ('<tool_call>',)
+    # whitespace is text of a tag (DeepSeek-V3.2's calls open with "\n\n<｜DSML｜function_calls>")
+    dsml = '\n\n<｜DSML｜function_calls>'
+    assert reasoning_tags({**THINK, 'excludes': [dsml]})[2] == (dsml,)
     for bad in ('</think>', {'open': '<think>'}, {'close': ''}, {'close': 'x' * 65}, {'close': 3},
                 {'open': '', 'close': '</think>'}, {**THINK, 'extra': 1}, {**THINK, 'excludes': '<a>'},
                 {**THINK, 'excludes': [None]}, {**THINK, 'excludes': ['<a>'] * 9}, {'open': None, 'close': None},
-                {'close': '</think\ud800>'}, {'close': '</think>\n'}):
+                {'close': '</think\ud800>'}, {'close': '</think>\x00'}, {'close': '</think\x1b>'}):
         with pytest.raises(ValueError, match=REASONING_KEY):
             reasoning_tags(bad)
     with GrammarCompileService(tokenizer_info('qwen3'), timeout_s=60, max_workers=1) as service:
