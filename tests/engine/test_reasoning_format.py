@@ -335,3 +335,25 @@ def test_a_stream_that_ends_with_a_part_of_an_open_tag_keeps_it(parser_cls, tail
             content += delta.content or ''
             reasoning += delta.reasoning_content or ''
     assert reasoning == THOUGHT and content == 'It is a ' + tail, (reasoning, content)
+
+
+@pytest.mark.parametrize('chunks', [('hm <', 'think> x</think>ok'), ('hm ', '<think> x</think>ok')],
+                         ids=['held back', 'chunk boundary'])
+def test_a_streamed_open_tag_inside_the_reasoning_is_kept(parser_cls, chunks):
+    """The parser drops the model's own open tag where the reasoning begins; one written inside the reasoning (free
+    text without a format) is its text, as the whole output reads: a stream dropped it where a chunk began with it,
+    which the held-back part of a close tag (``<``) made likely (0.14.0 patch 0075, 0.18.0 patch 0075)."""
+    cls = parser_cls('default')
+    whole = _parser(cls).parse_complete(''.join(chunks), [])
+    parser = _parser(cls)
+    content, reasoning = '', ''
+    for i, chunk in enumerate(chunks):
+        for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+            content += delta.content or ''
+            reasoning += delta.reasoning_content or ''
+    assert (reasoning, content) == ('hm <think> x', 'ok') == (whole[2], whole[0]), (reasoning, content, whole)
+    # the model's own open tag where the reasoning begins is dropped, streamed or not
+    parser = _parser(cls)
+    streamed = [d.reasoning_content for c in ('<think>', 'hm</think>') for d, _ in parser.stream_chunk(c, [1])]
+    assert ''.join(r or '' for r in streamed) == 'hm'
+    assert _parser(cls).parse_complete('<think>hm</think>', [])[2] == 'hm'
