@@ -381,15 +381,8 @@ def _texts(endpoint: str, payload: dict) -> list[tuple[str | None, str | None]]:
     if endpoint == '/v1/messages':
         text = ''.join(block.get('text', '') for block in payload.get('content') or [] if block.get('type') == 'text')
         return [(text, 'stop' if payload.get('stop_reason') == 'end_turn' else payload.get('stop_reason'))]
-    texts = []
-    for c in payload.get('choices', []):
-        message = c.get('message') or {}
-        text = message.get('content')
-        if message.get('reasoning_content') and text is not None and not text[:4].strip():
-            # the document after the reasoning: up to 4 whitespace characters (``</think>\n\n``) stay in content
-            text = text[:4].lstrip(' \t\r\n') + text[4:]
-        texts.append((text, c.get('finish_reason')))
-    return texts
+    # (after the reasoning too: the whitespace before the document is not content)
+    return [((c.get('message') or {}).get('content'), c.get('finish_reason')) for c in payload.get('choices', [])]
 
 
 def _message(text: str) -> str:

@@ -357,3 +357,22 @@ def test_a_streamed_open_tag_inside_the_reasoning_is_kept(parser_cls, chunks):
     streamed = [d.reasoning_content for c in ('<think>', 'hm</think>') for d, _ in parser.stream_chunk(c, [1])]
     assert ''.join(r or '' for r in streamed) == 'hm'
     assert _parser(cls).parse_complete('<think>hm</think>', [])[2] == 'hm'
+
+
+@pytest.mark.parametrize('between', ['', '\n\n', ' \t\r\n'], ids=repr)
+def test_the_content_after_the_reasoning_is_the_document_exactly(parser_cls, between):
+    """The whitespace the grammar allows between the reasoning's close tag and the document (a model writes
+    ``</think>\\n\\n``) is not content: ``content`` is the document, as a client matches it (a regex_schema's
+    ``yes``, not ``\\n\\nyes``), streamed or not."""
+    cls = parser_cls('default')
+    for fmt, answer in ((VERDICT, '{"ok": true}'), ({'type': 'regex_schema', 'regex_schema': 'yes|no'}, 'yes')):
+        output = f'{THOUGHT}</think>{between}{answer}'
+        assert accepts(_grammar(_parser(cls, response_format=fmt).request.response_format), output)
+        assert _parser(cls, response_format=fmt).parse_complete(output, [])[0] == answer
+        for cut in (1, 2, len(THOUGHT) + 9):
+            parser, content = _parser(cls, response_format=fmt), ''
+            chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
+            for i, chunk in enumerate(chunks):
+                for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+                    content += delta.content or ''
+            assert content == answer, (fmt, cut, content)
