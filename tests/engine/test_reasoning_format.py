@@ -90,6 +90,21 @@ def _manager():
     return GuidedDecodingManager(load_tokenizer('qwen3'), tokenizer_info('qwen3').vocab_size)
 
 
+def _streamed(parser, chunks) -> tuple[str, str, list]:
+    """``(content, reasoning, calls)`` a stream of ``chunks`` gives, joined (its last chunk marked final)."""
+    content, reasoning, calls = '', '', []
+    for i, chunk in enumerate(chunks):
+        for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
+            content += delta.content or ''
+            reasoning += delta.reasoning_content or ''
+            calls += delta.tool_calls or []
+    return content, reasoning, calls
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
 @pytest.mark.parametrize('fmt', [VERDICT, {'type': 'json_object'}, {'type': 'regex_schema', 'regex_schema': 'yes|no'}],
                          ids=['json_schema', 'json_object', 'regex'])
 def test_with_a_reasoning_parser_the_model_reasons_then_answers_in_the_format(parser_cls, fmt):
@@ -195,13 +210,7 @@ def test_beside_tools_a_document_holding_tags_is_read_whole(parser_cls, thinking
             if cut is None:
                 content, calls, reasoning = parser.parse_complete(before + document, [])
             else:
-                output, content, calls, reasoning = before + document, '', [], ''
-                chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
-                for i, chunk in enumerate(chunks):
-                    for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
-                        content += delta.content or ''
-                        reasoning += delta.reasoning_content or ''
-                        calls += delta.tool_calls or []
+                content, reasoning, calls = _streamed(parser, _pieces(before + document, cut))
             assert content.strip() == document and not calls, (inner, cut, content, reasoning)
             assert (reasoning or '') == (THOUGHT if thinking else ''), (inner, cut, reasoning)
     call = '<tool_call>\n{"name": "f", "arguments": {"n": 1}}\n</tool_call>'
@@ -211,12 +220,7 @@ def test_beside_tools_a_document_holding_tags_is_read_whole(parser_cls, thinking
         if cut is None:
             content, calls, reasoning = parser.parse_complete(before + call, [])
         else:
-            output, content, calls = before + call, '', []
-            chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
-            for i, chunk in enumerate(chunks):
-                for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
-                    content += delta.content or ''
-                    calls += delta.tool_calls or []
+            content, _, calls = _streamed(parser, _pieces(before + call, cut))
         # (the whitespace the grammar allows before the calls is not content either)
         assert [c.function.name for c in calls if c.function.name] == ['f'] and not content, (cut, content, calls)
 
@@ -308,20 +312,12 @@ def test_a_streamed_close_tag_split_across_chunks_ends_the_reasoning(parser_cls,
     parser = _parser(cls, response_format=VERDICT)
     output = f'{THOUGHT}</think>\n\n{{"ok": true}}'
     split = len(THOUGHT) + cut
-    content, reasoning = '', ''
-    for i, chunk in enumerate((output[:split], output[split:])):
-        for delta, _ in parser.stream_chunk(chunk, [1], final=i == 1):
-            content += delta.content or ''
-            reasoning += delta.reasoning_content or ''
+    content, reasoning, _ = _streamed(parser, (output[:split], output[split:]))
     assert reasoning == THOUGHT and content.strip() == '{"ok": true}', (reasoning, content)
     # cut by max_tokens inside the tag: the part is reasoning, given with the last chunk
     parser = _parser(cls, response_format=VERDICT)
-    reasoning = ''
-    for i, chunk in enumerate((THOUGHT, '</thi')):
-        for delta, _ in parser.stream_chunk(chunk, [1], final=i == 1):
-            assert not delta.content, delta
-            reasoning += delta.reasoning_content or ''
-    assert reasoning == THOUGHT + '</thi', reasoning
+    content, reasoning, _ = _streamed(parser, (THOUGHT, '</thi'))
+    assert not content and reasoning == THOUGHT + '</thi', (content, reasoning)
 
 
 @pytest.mark.parametrize('tail', ['<', '<tool', '<thi'], ids=repr)
@@ -331,14 +327,8 @@ def test_a_stream_that_ends_with_a_part_of_an_open_tag_keeps_it(parser_cls, tail
     0.14.0's parser dropped it (0.14.0 patch 0075); 0.18.0 gives it."""
     cls = parser_cls('default', 'qwen3')
     parser = _parser(cls, tools=[{'type': 'function', 'function': {'name': 'f', 'parameters': {'type': 'object'}}}])
-    content, reasoning = '', ''
-    chunks = (f'{THOUGHT}</think>', 'It is a ', tail)
-    for i, chunk in enumerate(chunks):
-        for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
-            assert not delta.tool_calls, delta
-            content += delta.content or ''
-            reasoning += delta.reasoning_content or ''
-    assert reasoning == THOUGHT and content == 'It is a ' + tail, (reasoning, content)
+    content, reasoning, calls = _streamed(parser, (f'{THOUGHT}</think>', 'It is a ', tail))
+    assert not calls and reasoning == THOUGHT and content == 'It is a ' + tail, (reasoning, content, calls)
 
 
 @pytest.mark.parametrize('chunks', [('hm <', 'think> x</think>ok'), ('hm ', '<think> x</think>ok')],
@@ -349,17 +339,10 @@ def test_a_streamed_open_tag_inside_the_reasoning_is_kept(parser_cls, chunks):
     which the held-back part of a close tag (``<``) made likely (0.14.0 patch 0075, 0.18.0 patch 0075)."""
     cls = parser_cls('default')
     whole = _parser(cls).parse_complete(''.join(chunks), [])
-    parser = _parser(cls)
-    content, reasoning = '', ''
-    for i, chunk in enumerate(chunks):
-        for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
-            content += delta.content or ''
-            reasoning += delta.reasoning_content or ''
+    content, reasoning, _ = _streamed(_parser(cls), chunks)
     assert (reasoning, content) == ('hm <think> x', 'ok') == (whole[2], whole[0]), (reasoning, content, whole)
     # the model's own open tag where the reasoning begins is dropped, streamed or not
-    parser = _parser(cls)
-    streamed = [d.reasoning_content for c in ('<think>', 'hm</think>') for d, _ in parser.stream_chunk(c, [1])]
-    assert ''.join(r or '' for r in streamed) == 'hm'
+    assert _streamed(_parser(cls), ('<think>', 'hm</think>'))[1] == 'hm'
     assert _parser(cls).parse_complete('<think>hm</think>', [])[2] == 'hm'
 
 
@@ -374,9 +357,5 @@ def test_the_content_after_the_reasoning_is_the_document_exactly(parser_cls, bet
         assert accepts(_grammar(_parser(cls, response_format=fmt).request.response_format), output)
         assert _parser(cls, response_format=fmt).parse_complete(output, [])[0] == answer
         for cut in (1, 2, len(THOUGHT) + 9):
-            parser, content = _parser(cls, response_format=fmt), ''
-            chunks = [output[i:i + cut] for i in range(0, len(output), cut)]
-            for i, chunk in enumerate(chunks):
-                for delta, _ in parser.stream_chunk(chunk, [1], final=i == len(chunks) - 1):
-                    content += delta.content or ''
+            content = _streamed(_parser(cls, response_format=fmt), _pieces(output, cut))[0]
             assert content == answer, (fmt, cut, content)
