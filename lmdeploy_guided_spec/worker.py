@@ -64,6 +64,16 @@ def _apply_switch_interval() -> None:
         logger.info(f'switch interval of this process set to {seconds * 1e3:g} ms ({SWITCH_INTERVAL_ENV})')
 
 
+def _run_here(fn: Callable[..., Any], args: tuple, kwargs: dict) -> concurrent.futures.Future:
+    """``fn(*args, **kwargs)`` run on the calling thread, as a done future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as err:  # noqa: B036 - handed to the waiter, as the pool does
+        future.set_exception(err)
+    return future
+
+
 class GrammarWorker:
     """A single worker thread; :meth:`submit` returns a ``concurrent.futures.Future``.
 
@@ -77,22 +87,26 @@ class GrammarWorker:
         self.inline = inline
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._exiting = False
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        """Queue ``fn(*args, **kwargs)`` behind every job submitted before it."""
-        if self.inline:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as err:  # noqa: B036 - handed to the waiter, as the pool does
-                future.set_exception(err)
-            return future
+        """Queue ``fn(*args, **kwargs)`` behind every job submitted before it; once the interpreter exits, run it on
+        the calling thread."""
+        if self.inline or self._exiting:
+            return _run_here(fn, args, kwargs)
         with self._lock:
             if self._pool is None:
                 _apply_switch_interval()
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix='guided-spec-grammar')
-            return self._pool.submit(fn, *args, **kwargs)
+            try:
+                return self._pool.submit(fn, *args, **kwargs)
+            except RuntimeError:
+                # the interpreter exits: concurrent.futures stopped the thread (shutdown() drops the pool before
+                # it stops one) while an engine nobody closed still steps on its daemon thread. The thread ran its
+                # queue out first, so the work runs here from now on, still in order
+                self._exiting = True
+        return _run_here(fn, args, kwargs)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Queue ``fn`` and wait for its result."""

@@ -80,3 +80,32 @@ def test_gil_share_prints_a_table_and_its_last_line():
     rows = [line.split() for line in out if line.startswith(('default', 'free'))]
     assert [row[:2] for row in rows] == [['default', '2'], ['free', '2']], out
     assert out[-1] == 'worker_slowdown_beside_python_b128 n/a (batch 128 not run)', out
+
+
+#: Grammar work submitted while the interpreter exits, as the engine loop of a pipeline nobody closed does (a daemon
+#: thread): from a hook of ``threading`` that runs after ``concurrent.futures`` stopped its pools' threads.
+_SUBMIT_AT_EXIT = '''
+import threading
+
+
+def step():
+    print('committed', worker.run(lambda: 2), flush=True)
+
+
+# registered before concurrent.futures registers its own hook: they run in reverse order, this one after it
+threading._register_atexit(step)
+
+from lmdeploy_guided_spec import GrammarWorker
+
+worker = GrammarWorker()
+assert worker.run(lambda: 1) == 1
+'''
+
+
+def test_grammar_work_submitted_while_the_interpreter_exits_runs():
+    """Defect: an engine whose pipeline was not closed still steps while the interpreter exits; concurrent.futures
+    stopped the worker's pool first, and the engine loop failed with "cannot schedule new futures after shutdown"
+    (the example of docs/*/cpu.md, one run in two)."""
+    run = subprocess.run([sys.executable, '-c', _SUBMIT_AT_EXIT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and 'committed 2' in run.stdout, (run.stdout, run.stderr)
+    assert 'Traceback' not in run.stderr, run.stderr
