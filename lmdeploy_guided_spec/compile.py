@@ -32,6 +32,7 @@ import logging
 import multiprocessing.connection
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -496,6 +497,10 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
         conn.send(('ok', payload, seconds, size))
 
 
+#: Signals that end a compiler process by a fault of its own (of xgrammar on the source it was given), not by a kill
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+
+
 class _TimedOut(NamedTuple):
     """A check stopped at ``limit_s``, remembered since ``at`` (``time.monotonic``)."""
     error: GrammarCompileTimeout
@@ -618,7 +623,9 @@ class GrammarCompileService:
         else 16.
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
-        grammars go first, and a grammar bigger than the bound is not cached. 0 disables the cache.
+        grammars go first. A grammar bigger than the bound fails its compile with :class:`GrammarCompileError`
+        (the engine, not finding it, would compile it again on its loop for each request). 0 disables the cache,
+        and this check.
     max_threads : int
         Threads xgrammar uses for one compile.
     max_workers : int
@@ -637,7 +644,8 @@ class GrammarCompileService:
     Notes
     -----
     ``submit`` never blocks on a compile. The returned future fails with :class:`GrammarCompileError` (a
-    ``ValueError``) for a source xgrammar rejects or whose mask costs more than the limit,
+    ``ValueError``) for a source xgrammar rejects, crashes on (the process ends by SIGSEGV, SIGABRT, ...) or whose
+    mask costs more than the limit, or whose compiled grammar is bigger than the cache,
     :class:`GrammarCompileTimeout` when the compile ran past the
     limit (the child is killed and a fresh one starts with the next compile), and
     :class:`GrammarCompilerUnavailable` when the child died or the service was closed.
@@ -1165,6 +1173,13 @@ class GrammarCompileService:
             code = self._drop_child(slot)
             if self._closed:
                 raise GrammarCompilerUnavailable('the grammar compile service was closed') from None
+            if code is not None and -code in _CRASH_SIGNALS:
+                # xgrammar crashed on this source (a chain of thousands of $ref overflows its parser's stack): the
+                # source's fault, remembered as a check's answer; a process killed from outside stays the server's
+                raise GrammarCompileError(
+                    f'the grammar compiler crashed ({signal.Signals(-code).name}) while {doing} a '
+                    f'{self._describe(job)}: xgrammar cannot take this source (a chain of thousands of $ref is one). '
+                    f'Simplify it') from None
             raise GrammarCompilerUnavailable(
                 f'the grammar compiler process died (exit code {code}) while {doing} a {self._describe(job)}; a '
                 f'fresh one starts with the next compile') from None
@@ -1204,6 +1219,13 @@ class GrammarCompileService:
                 f'and copies it for every draft window. Simplify the schema; an object with thousands of optional '
                 f'properties is the usual cause (list them as required, or split the object)')
         _, payload, seconds, size = reply
+        if self.cache_limit_bytes and size > self.cache_limit_bytes:
+            # not cached, the engine would compile it again where it builds the matcher: on its loop, for every
+            # request that sends it, stalling every other request meanwhile
+            raise GrammarCompileError(
+                f'the {self._describe(job)} takes {size / (1 << 20):.1f} MB compiled, more than the '
+                f'{self.cache_limit_bytes / (1 << 20):.1f} MB the compile cache holds. Simplify the schema: many '
+                f'properties with wide numeric ranges or long bounded strings are the usual cause')
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)
         logger.debug('compiling a %s again in-process: %d bytes compiled in %.2f s are cheaper to compile than '

@@ -123,6 +123,22 @@ def test_a_grammar_too_big_to_transfer_is_compiled_again_in_the_parent(service, 
     assert _same_masks(grammar, _reference('json_schema', schema, {}), '{"name": "x", "age": 1}')
 
 
+def test_a_grammar_bigger_than_the_cache_fails_its_compile():
+    """Defect: a grammar bigger than the cache was compiled and handed back, but not cached; the engine then found no
+    grammar where it builds the request's matcher and compiled it again there, on its loop: every request stalled
+    (8.5 s for a 66 KB schema of 660 integer ranges, 276 MB compiled; again for each request that sent it). Now its
+    compile fails, naming the sizes, and smaller grammars are compiled and cached as before."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=30, max_workers=1,
+                               cache_limit_bytes=100_000) as svc:
+        small = svc.submit('json_schema', {'type': 'integer'}).result(timeout=60)
+        assert small.memory_size_bytes < 100_000 and svc.cache_entries == 1
+        with pytest.raises(GrammarCompileError, match=r'MB compiled, more than the 0.1 MB the compile cache holds'):
+            svc.submit('json_schema', PERSON).result(timeout=60)
+        assert svc.cache_entries == 1
+        # cached, or not, the compile of the small one is unchanged
+        assert svc.lookup('json_schema', {'type': 'integer'}) is not None
+
+
 @pytest.mark.parametrize('kind,source,message', [
     ('json_schema', {'type': 'nope'}, 'Unsupported type'),
     ('json_schema', '{bad json', 'Failed to parse JSON'),
@@ -406,6 +422,30 @@ def test_a_process_that_died_while_idle_is_replaced_before_a_job():
         dead.wait()
         assert checker.check('regex', 'second[0-9]').result(timeout=60) is False
         assert checker._children[0].process is not dead
+
+
+def _ref_chain(n: int) -> str:
+    """A JSON schema of ``n`` ``$ref`` each to the next: xgrammar's parser recurses along it, and overflows its stack
+    well before 30,000 (about 1 MB)."""
+    defs = {f'd{i}': {'$ref': f'#/$defs/d{i + 1}'} for i in range(n)}
+    return json.dumps({'$defs': {**defs, f'd{n}': {'type': 'integer'}}, '$ref': '#/$defs/d0'})
+
+
+def test_a_source_that_crashes_the_parser_is_refused_and_remembered():
+    """Defect: a chain of 30,000 ``$ref`` (1.1 MB) crashes xgrammar's parser (SIGSEGV) in the compiler process; the
+    check failed as the server's fault (HTTP 503 "the grammar compiler process died"), and each resend cost a fresh
+    process and the crash again. A crash by signal is the source's: GrammarCompileError (HTTP 400), remembered. A
+    process killed from outside (SIGKILL, the OOM killer) stays the server's (the test below)."""
+    source = _ref_chain(30_000)
+    with GrammarCompileService(None, timeout_s=60, max_workers=1, cache_limit_bytes=0) as checker:
+        with pytest.raises(GrammarCompileError, match=r'crashed \(SIGSEGV\) while checking a json_schema'):
+            checker.check('json_schema', source).result(timeout=120)
+        crashed = checker._children[0]
+        start = time.perf_counter()
+        with pytest.raises(GrammarCompileError, match='crashed'):
+            checker.check('json_schema', source).result(timeout=120)
+        assert time.perf_counter() - start < 0.5 and checker._children[0] is crashed  # answered from memory
+        assert checker.check('regex', 'after-a-crash[0-9]').result(timeout=60) is False
 
 
 def test_a_closed_checker_is_replaced_and_a_dead_one_is_the_servers_fault():
