@@ -69,9 +69,9 @@ _XGRAMMAR_LOCATION = re.compile(r'^\[[^\]]*\]\s*\S+:\d+:\s*')
 
 def xgrammar_reason(err: BaseException) -> str:
     """The first line of an xgrammar error without the time and source location of the C++ check that raised it
-    (``Unsupported type "nonsense"``, ``Regex parsing error at position 4: Unclosed '['``); the exception's type
-    name where it has no message."""
+    (``Unsupported type "nonsense"``, ``Regex parsing error at position 4: Unclosed '['``); where it has no message
+    (an integer bound of hundreds of digits), that it gave none, and the exception's type."""
     text = str(err).strip()
     if not text:
-        return type(err).__name__
+        return f'xgrammar failed without saying why ({type(err).__name__})'
     return _XGRAMMAR_LOCATION.sub('', text.splitlines()[0])

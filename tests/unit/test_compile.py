@@ -165,7 +165,11 @@ def test_xgrammar_reason_is_the_message_without_the_check_location(build, reason
         build()
     assert re.match(r'\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: ', str(info.value)), 'xgrammar prefixes its messages'
     assert xgrammar_reason(info.value) == reason
-    assert xgrammar_reason(RuntimeError()) == 'RuntimeError'
+    assert xgrammar_reason(RuntimeError()) == 'xgrammar failed without saying why (RuntimeError)'
+    # (an integer bound of 401 digits: the client was told "Unsupported response format: RuntimeError")
+    with pytest.raises(RuntimeError) as info:
+        xgr.Grammar.from_json_schema(json.dumps({'type': 'integer', 'minimum': 10**400}))
+    assert xgrammar_reason(info.value) == 'xgrammar failed without saying why (RuntimeError)'
     assert xgrammar_reason(ValueError('no prefix here\nsecond line')) == 'no prefix here'
 
 
