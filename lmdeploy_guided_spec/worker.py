@@ -64,6 +64,12 @@ def _apply_switch_interval() -> None:
         logger.info(f'switch interval of this process set to {seconds * 1e3:g} ms ({SWITCH_INTERVAL_ENV})')
 
 
+def _interpreter_exits() -> bool:
+    """Whether concurrent.futures has begun stopping its threads for the interpreter's exit."""
+    import concurrent.futures.thread as pool_module
+    return bool(getattr(pool_module, '_shutdown', False))
+
+
 def _run_here(fn: Callable[..., Any], args: tuple, kwargs: dict) -> concurrent.futures.Future:
     """``fn(*args, **kwargs)`` run on the calling thread, as a done future."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -87,26 +93,37 @@ class GrammarWorker:
         self.inline = inline
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._exiting = False
+        #: the interpreter exits: jobs run on the calling thread, one at a time, under this lock
+        self._exiting: threading.Lock | None = None
+        self._last: concurrent.futures.Future | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Queue ``fn(*args, **kwargs)`` behind every job submitted before it; once the interpreter exits, run it on
-        the calling thread."""
-        if self.inline or self._exiting:
+        the calling thread, after them."""
+        if self.inline:
             return _run_here(fn, args, kwargs)
         with self._lock:
-            if self._pool is None:
-                _apply_switch_interval()
-                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                   thread_name_prefix='guided-spec-grammar')
-            try:
-                return self._pool.submit(fn, *args, **kwargs)
-            except RuntimeError:
-                # the interpreter exits: concurrent.futures stopped the thread (shutdown() drops the pool before
-                # it stops one) while an engine nobody closed still steps on its daemon thread. The thread ran its
-                # queue out first, so the work runs here from now on, still in order
-                self._exiting = True
-        return _run_here(fn, args, kwargs)
+            if self._exiting is None:
+                if self._pool is None:
+                    _apply_switch_interval()
+                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                       thread_name_prefix='guided-spec-grammar')
+                try:
+                    self._last = self._pool.submit(fn, *args, **kwargs)
+                    return self._last
+                except RuntimeError:
+                    # the interpreter exits while an engine nobody closed still steps on its daemon thread:
+                    # concurrent.futures refuses new jobs (shutdown() drops the pool before it stops one, so no
+                    # other stop of ours is seen here). Any other failure (no thread can start) is raised
+                    if not (_interpreter_exits() or self._pool._shutdown):
+                        raise
+                    self._exiting = threading.Lock()
+            exiting, last = self._exiting, self._last
+        with exiting:
+            if last is not None:
+                # the thread may still run the jobs submitted before: the work stays in order
+                concurrent.futures.wait([last])
+            return _run_here(fn, args, kwargs)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Queue ``fn`` and wait for its result."""

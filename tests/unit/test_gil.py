@@ -2,6 +2,8 @@
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,43 @@ def test_grammar_work_submitted_while_the_interpreter_exits_runs():
     run = subprocess.run([sys.executable, '-c', _SUBMIT_AT_EXIT], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and 'committed 2' in run.stdout, (run.stdout, run.stderr)
     assert 'Traceback' not in run.stderr, run.stderr
+
+
+def test_work_submitted_as_the_interpreter_begins_to_exit_waits_for_the_thread():
+    """Between concurrent.futures' exit flag and the end of its thread, the thread may still run a job submitted
+    before (a commit): the job submitted now runs on the caller's thread after it, not beside it."""
+    import concurrent.futures.thread as pool_module
+    worker, order = GrammarWorker(), []
+    started = threading.Event()
+
+    def first():
+        started.set()
+        time.sleep(0.5)
+        order.append('first')
+
+    worker.submit(first)
+    started.wait(10)
+    pool_module._shutdown = True  # what _python_exit sets before it stops the threads
+    try:
+        assert worker.submit(order.append, 'second').result(timeout=10) is None
+    finally:
+        pool_module._shutdown = False
+    assert order == ['first', 'second']
+    worker.shutdown()
+
+
+def test_a_pool_that_fails_for_another_reason_is_not_taken_for_an_exit(monkeypatch):
+    """A RuntimeError of the pool while the interpreter runs on (no thread can start: a limit of processes) is
+    raised, not taken for an exit that would move the grammar work onto the engine's thread for good."""
+    worker = GrammarWorker()
+    worker.run(lambda: None)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(worker._pool, 'submit', refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        worker.submit(lambda: None)
+    monkeypatch.undo()
+    assert worker.run(lambda: 3) == 3
+    worker.shutdown()
