@@ -481,7 +481,8 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
                     conn.send(('big', cap, None))  # the cap stopped an allocation: more than that, somewhere
                     continue
         except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
-            conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}'))
+            conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}' if str(exc).strip() else
+                       xgrammar_reason(exc)))
             continue
         except Exception as exc:  # a fault of this package or of xgrammar, not of the source
             conn.send(('internal', f'{type(exc).__name__}: {exc}'.strip()))
@@ -498,7 +499,7 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
 
 
 #: Signals that end a compiler process by a fault of its own (of xgrammar on the source it was given), not by a kill
-_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT})
 
 
 class _TimedOut(NamedTuple):
@@ -533,6 +534,8 @@ class _Job:
     abandoned: bool = field(default=False, init=False)
     #: sent to its slot's process: from then on, that process is this job's to kill (under ``_gate``)
     sent: bool = field(default=False, init=False)
+    #: its process crashed once (a signal of :data:`_CRASH_SIGNALS`): it ran once more in a fresh one
+    crashed: bool = field(default=False, init=False)
 
     def __post_init__(self):
         self.slow = conversion_cost(self.source) >= SLOW_CONVERSION_COST
@@ -644,8 +647,8 @@ class GrammarCompileService:
     Notes
     -----
     ``submit`` never blocks on a compile. The returned future fails with :class:`GrammarCompileError` (a
-    ``ValueError``) for a source xgrammar rejects, crashes on (the process ends by SIGSEGV, SIGABRT, ...) or whose
-    mask costs more than the limit, or whose compiled grammar is bigger than the cache,
+    ``ValueError``) for a source xgrammar rejects or crashes on (in two processes, by SIGSEGV, SIGFPE or SIGABRT),
+    whose mask costs more than the limit, or whose compiled grammar is bigger than the cache;
     :class:`GrammarCompileTimeout` when the compile ran past the
     limit (the child is killed and a fresh one starts with the next compile), and
     :class:`GrammarCompilerUnavailable` when the child died or the service was closed.
@@ -1174,12 +1177,20 @@ class GrammarCompileService:
             if self._closed:
                 raise GrammarCompilerUnavailable('the grammar compile service was closed') from None
             if code is not None and -code in _CRASH_SIGNALS:
-                # xgrammar crashed on this source (a chain of thousands of $ref overflows its parser's stack): the
-                # source's fault, remembered as a check's answer; a process killed from outside stays the server's
+                crash = signal.Signals(-code).name
+                logger.warning('the grammar compiler process crashed (%s) while %s a %s%s', crash, doing,
+                               self._describe(job), '' if job.crashed else '; trying it once more in a fresh one')
+                if not job.crashed:
+                    # a fault left by an earlier job in the same process would not come back in a fresh one
+                    job.crashed = True
+                    return self._run(slot, job)
+                # xgrammar crashed on this source twice (a chain of thousands of $ref overflows its parser's stack):
+                # the source's fault, remembered as a check's answer; a process killed from outside stays the
+                # server's, as does an illegal instruction or a bus error (a build for another CPU, a replaced file)
+                hint = ' (a chain of thousands of $ref is one)' if checks else ''
                 raise GrammarCompileError(
-                    f'the grammar compiler crashed ({signal.Signals(-code).name}) while {doing} a '
-                    f'{self._describe(job)}: xgrammar cannot take this source (a chain of thousands of $ref is one). '
-                    f'Simplify it') from None
+                    f'the grammar compiler crashed ({crash}) twice while {doing} a {self._describe(job)}: xgrammar '
+                    f'cannot take this source{hint}. Simplify it') from None
             raise GrammarCompilerUnavailable(
                 f'the grammar compiler process died (exit code {code}) while {doing} a {self._describe(job)}; a '
                 f'fresh one starts with the next compile') from None
