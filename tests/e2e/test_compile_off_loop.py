@@ -12,7 +12,7 @@ import time
 
 import pytest
 import xgrammar as xgr
-from e2e_helpers import ENGINE_KWARGS, PROMPTS, check_valid, gen_config, generate, manager, model_agent, response_format
+from e2e_helpers import ENGINE_KWARGS, PROMPTS, check_valid, gen_config, generate, manager, model_agent
 
 from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV
 
@@ -28,6 +28,11 @@ SLOW_PROPERTIES = 16000
 # milliseconds; the margin is for the entry checks, which parse the whole grammar in Python threads, and for a
 # loaded machine
 MAX_GAP_S = 6
+#: the grammar that compiles beside them: no bounded string, so that it compiles in milliseconds. PERSON's
+#: ``maxLength`` strings took a second on a loaded 2-core machine, and past the limit beside the slow compile (CI)
+SMALL = {'type': 'object', 'properties': {'age': {'type': 'integer', 'minimum': 0, 'maximum': 130},
+                                          'ok': {'type': 'boolean'}},
+         'required': ['age', 'ok'], 'additionalProperties': False}
 
 
 def _fmt(schema: dict) -> dict:
@@ -93,7 +98,7 @@ def _while_streaming(pipe, prompts, configs):
 
 
 def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
-    fits, too_slow, small = _fmt(wide_object(300)), _fmt(wide_object(SLOW_PROPERTIES)), response_format('json_schema')
+    fits, too_slow, small = _fmt(wide_object(300)), _fmt(wide_object(SLOW_PROPERTIES)), _fmt(SMALL)
     outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24),
                                                                      gen_config(too_slow), gen_config(small)])
     # the grammar past the limit fails its own request, and says why and what to change
@@ -123,7 +128,7 @@ def test_structural_tags_compile_off_the_loop(limited_pipe):
     deep = {'type': 'string'}
     for _ in range(300):
         deep = {'type': 'object', 'properties': {'a': deep}}
-    small = response_format('json_schema')['json_schema']['schema']
+    small = SMALL
     formats = [_tag(wide_object(300)), _tag(wide_object(SLOW_PROPERTIES)), _tag(small), _tag(deep)]
     outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:4], [gen_config(fmt, max_new_tokens=96)
                                                                      for fmt in formats])
@@ -132,7 +137,7 @@ def test_structural_tags_compile_off_the_loop(limited_pipe):
     assert f'longer than {LIMIT_S} s' in outputs[1].text and COMPILE_TIMEOUT_ENV in outputs[1].text, outputs[1].text
     assert outputs[2].finish_reason == 'stop', outputs[2]
     assert outputs[2].text.startswith('<call>') and outputs[2].text.endswith('</call>'), outputs[2]
-    check_valid(outputs[2].text[len('<call>'):-len('</call>')], response_format('json_schema'))
+    check_valid(outputs[2].text[len('<call>'):-len('</call>')], _fmt(SMALL))
     assert outputs[3].finish_reason == 'error' and 'the structural_tag nests' in outputs[3].text, outputs[3]
     assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while structural tags compiled ({took:.1f} s)'
 
@@ -243,7 +248,7 @@ def test_a_grammar_slow_to_parse_is_stopped_at_the_limit_and_fails_alone(limited
     every check thread, so that each new guided request waited behind them). The check now runs in a compiler
     process stopped at the compile limit, and the request fails alone with the reason."""
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(LIMIT_S))  # the limit of this process's checks
-    small = response_format('json_schema')
+    small = _fmt(SMALL)
     outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:2], [gen_config(_fmt(SLOW_TO_PARSE)),
                                                                      gen_config(small)])
     assert outputs[0].finish_reason == 'error', outputs[0]
