@@ -462,11 +462,15 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
         if message[0] == 'check':
             conn.send(_check(*message[1:]))
             continue
-        kind, source, options, transfer_limit, mask_limit_s, state_limit_bytes = message
+        kind, source, options, transfer_limit, mask_limit_s, state_limit_bytes, cache_limit = message
         start = time.perf_counter()
         try:
             grammar = _compile(compiler, kind, source, options)
             seconds = time.perf_counter() - start
+            if cache_limit and grammar.memory_size_bytes > cache_limit:
+                # refused whatever its masks cost: no probe of a grammar of hundreds of megabytes
+                conn.send(('huge', grammar.memory_size_bytes))
+                continue
             # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up
             # everyone; and it keeps a matcher per guided row, forked for each draft window
             cost, cap = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES
@@ -503,10 +507,16 @@ _CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT})
 
 
 class _TimedOut(NamedTuple):
-    """A check stopped at ``limit_s``, remembered since ``at`` (``time.monotonic``)."""
-    error: GrammarCompileTimeout
+    """A check stopped at ``limit_s`` (or a compile that failed under that limit), remembered since ``at``
+    (``time.monotonic``)."""
+    error: GrammarCompileTimeout | GrammarCompileError
     limit_s: float
     at: float
+
+
+def _digest(key: tuple) -> bytes:
+    """A short key of a compile's key (whose source can be megabytes)."""
+    return hashlib.blake2b(json.dumps(key).encode(), digest_size=16).digest()
 
 
 def _copy_error(error: BaseException) -> BaseException:
@@ -696,6 +706,10 @@ class GrammarCompileService:
         # empty, why the source does not parse, or a recent timeout
         self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError | _TimedOut] = \
             collections.OrderedDict()
+        # compiles that failed (past the limit, or refused: mask cost, matcher or compiled size, a crash), by a
+        # digest of their key, for _TIMED_OUT_REMEMBERED_S seconds: a client that sends the grammar again is refused
+        # at once instead of holding a compiler process for up to the limit again
+        self._failed: collections.OrderedDict[bytes, _TimedOut] = collections.OrderedDict()
         self._inflight: dict[tuple | bytes, concurrent.futures.Future] = {}
         # callers of jobs that look slow to parse, by key (a caller usually holds a thread while it waits: copies of
         # one slow source are one job but as many waiting threads), and their sum, bounded by twice slow_queued
@@ -762,7 +776,9 @@ class GrammarCompileService:
         Returns
         -------
         concurrent.futures.Future
-            Done at once for a cached grammar; the same future for a compile of the same grammar in flight.
+            Done at once for a cached grammar, and failed at once, with the same error, for a grammar whose
+            compile failed (past the limit, or refused) within the last :data:`_TIMED_OUT_REMEMBERED_S` seconds;
+            the same future for a compile of the same grammar in flight.
 
         Raises
         ------
@@ -779,6 +795,13 @@ class GrammarCompileService:
             raise RuntimeError('this grammar service has no tokenizer: it checks grammars, it does not compile them')
         kind, source, options = self._normalize(kind, source, options)
         key = (kind, source, json.dumps(options, sort_keys=True))
+        with self._lock:
+            failed = self._failed.get(_digest(key))
+            if failed is not None and failed.limit_s >= self.timeout_s and \
+                    time.monotonic() - failed.at < _TIMED_OUT_REMEMBERED_S:
+                future = concurrent.futures.Future()
+                future.set_exception(_copy_error(failed.error))
+                return future
         return self._start(key, self._cache, lambda cached: cached[0], lambda: _Job(key, kind, source, options))
 
     def check(self, kind: str, source: str | dict | None = None, *, timeout_s: float | None = None,
@@ -1169,7 +1192,7 @@ class GrammarCompileService:
                 child.conn.send(('check', job.kind, job.source, job.options))
             else:
                 child.conn.send((job.kind, job.source, job.options, self.transfer_limit_bytes,
-                                 self.mask_limit_ms / 1e3, self.matcher_limit_mb * (1 << 20)))
+                                 self.mask_limit_ms / 1e3, self.matcher_limit_mb * (1 << 20), self.cache_limit_bytes))
             answered = child.conn.poll(limit)
             reply = child.conn.recv() if answered else None
         except (EOFError, OSError):
@@ -1229,14 +1252,15 @@ class GrammarCompileService:
                 f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the engine keeps a matcher per guided request '
                 f'and copies it for every draft window. Simplify the schema; an object with thousands of optional '
                 f'properties is the usual cause (list them as required, or split the object)')
-        _, payload, seconds, size = reply
-        if self.cache_limit_bytes and size > self.cache_limit_bytes:
+        if reply[0] == 'huge':
             # not cached, the engine would compile it again where it builds the matcher: on its loop, for every
-            # request that sends it, stalling every other request meanwhile
+            # request that sends it, stalling every other request meanwhile (the child checks it before its probe)
+            size = reply[1]
             raise GrammarCompileError(
                 f'the {self._describe(job)} takes {size / (1 << 20):.1f} MB compiled, more than the '
                 f'{self.cache_limit_bytes / (1 << 20):.1f} MB the compile cache holds. Simplify the schema: many '
                 f'properties with wide numeric ranges or long bounded strings are the usual cause')
+        _, payload, seconds, size = reply
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)
         logger.debug('compiling a %s again in-process: %d bytes compiled in %.2f s are cheaper to compile than '
@@ -1254,6 +1278,9 @@ class GrammarCompileService:
             elif job.check_timeout_s is None:
                 if error is None:
                     self._remember(job.key, result)
+                elif isinstance(error, (GrammarCompileError, GrammarCompileTimeout)) and \
+                        not isinstance(error, GrammarCompileBusy):
+                    self._remember_failure(job.key, getattr(error, 'remembered', error))
             elif error is None or isinstance(error, GrammarCompileError):
                 self._remember_check(job.key, result if error is None else error)
             elif isinstance(error, GrammarCompileTimeout) and not isinstance(error, GrammarCompileBusy):
@@ -1281,6 +1308,13 @@ class GrammarCompileService:
         self._checked.move_to_end(key)
         while len(self._checked) > _CHECKED_ENTRIES:
             self._checked.popitem(last=False)
+
+    def _remember_failure(self, key: tuple, error: BaseException) -> None:
+        digest = _digest(key)
+        self._failed[digest] = _TimedOut(error, self.timeout_s, time.monotonic())
+        self._failed.move_to_end(digest)
+        while len(self._failed) > _CHECKED_ENTRIES:
+            self._failed.popitem(last=False)
 
     def _remember(self, key: tuple, grammar: xgr.CompiledGrammar) -> None:
         size = grammar.memory_size_bytes

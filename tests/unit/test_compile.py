@@ -138,6 +138,12 @@ def test_a_grammar_bigger_than_the_cache_fails_its_compile():
         assert svc.cache_entries == 1
         # cached, or not, the compile of the small one is unchanged
         assert svc.lookup('json_schema', {'type': 'integer'}) is not None
+    # the size is checked before the probe of the masks: a mask limit no grammar meets refuses it for its size, and
+    # the child spent nothing on probing a grammar of hundreds of megabytes
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=30, max_workers=1, cache_limit_bytes=100_000,
+                               mask_limit_ms=1e-9) as svc:
+        with pytest.raises(GrammarCompileError, match=r'MB compiled, more than the 0.1 MB the compile cache holds'):
+            svc.submit('json_schema', PERSON).result(timeout=60)
 
 
 @pytest.mark.parametrize('kind,source,message', [
@@ -209,6 +215,38 @@ def test_a_slow_compile_times_out_while_the_caller_keeps_running(service):
     # a fresh child takes over
     grammar = service.submit('json_schema', NESTED).result(timeout=60)
     assert _same_masks(grammar, _reference('json_schema', NESTED, {}), '{"inner": {"x": 2}}')
+    # the same grammar sent again is refused at once, with the same reason, instead of holding a compiler process
+    # for the limit again (a client that resends it would keep the compilers busy)
+    start = time.perf_counter()
+    again = service.submit('json_schema', schema)
+    assert again.done() and time.perf_counter() - start < 0.1
+    with pytest.raises(GrammarCompileTimeout) as info:
+        again.result()
+    assert str(info.value) == message
+
+
+def test_a_failed_compile_is_remembered_for_a_while(monkeypatch):
+    """A refused compile (here: bigger than the cache) is answered at once when its grammar comes again, for
+    ``_TIMED_OUT_REMEMBERED_S`` seconds; then it is compiled again (a grammar refused on a loaded machine, or under
+    a shorter limit, may pass)."""
+    from lmdeploy_guided_spec import compile as compile_module
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=30, max_workers=1,
+                               cache_limit_bytes=100_000) as svc:
+        with pytest.raises(GrammarCompileError, match='more than the 0.1 MB') as first:
+            svc.submit('json_schema', PERSON).result(timeout=60)
+        start = time.perf_counter()
+        again = svc.submit('json_schema', json.dumps(PERSON))  # the same grammar, as text
+        assert again.done() and time.perf_counter() - start < 0.1
+        with pytest.raises(GrammarCompileError) as info:
+            again.result()
+        assert str(info.value) == str(first.value)
+        # another grammar is compiled as before
+        assert svc.submit('json_schema', {'type': 'integer'}).result(timeout=60) is not None
+        monkeypatch.setattr(compile_module, '_TIMED_OUT_REMEMBERED_S', 0.0)
+        later = svc.submit('json_schema', PERSON)
+        assert not later.done()
+        with pytest.raises(GrammarCompileError, match='more than the 0.1 MB'):
+            later.result(timeout=60)
 
 
 def test_a_second_compiler_process_starts_only_when_compiles_overlap():
