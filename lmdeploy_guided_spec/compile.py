@@ -845,11 +845,18 @@ class GrammarCompileService:
 
         return self._start(key, self._checked, answer, lambda: _Job(key, kind, source, options, check_timeout_s=limit))
 
-    def lookup(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar | None:
+    def lookup(self, kind: str, source: str | dict | None = None, *, wait_s: float = 0.0,
+               **options: Any) -> xgr.CompiledGrammar | None:
         """The cached grammar, or None when it is not cached (never starts a compile).
 
         An engine gates a request on :meth:`submit` and builds its matcher with this once the future is done; a
         grammar evicted in between is None, and the caller compiles it as it would without the service.
+
+        ``wait_s``: how long to wait for a compile of the grammar in flight (a :meth:`submit` started it); its
+        grammar, or None when that compile fails or is not done by then. A process that compiles what another one
+        gates its requests on (a rank of a tensor-parallel group, beside its engine) waits for what is left of its
+        own compile instead of compiling the grammar again. The wait does not count as a caller of the job: when
+        every caller of :meth:`submit` abandons it, it is stopped, and this returns None.
         """
         if self._info is None:
             return None
@@ -857,10 +864,16 @@ class GrammarCompileService:
         key = (kind, source, json.dumps(options, sort_keys=True))
         with self._lock:
             cached = self._cache.get(key)
-            if cached is None:
-                return None
-            self._cache.move_to_end(key)
-            return cached[0]
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached[0]
+            inflight = self._inflight.get(key) if wait_s > 0 else None
+        if inflight is None:
+            return None
+        try:
+            return inflight.result(timeout=wait_s)
+        except Exception:  # failed, or still running: the caller compiles it as without the service
+            return None
 
     def abandon(self, future: concurrent.futures.Future) -> None:
         """A caller of :meth:`submit` or :meth:`check` stops waiting for ``future`` (its client went away); once per

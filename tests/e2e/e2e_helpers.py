@@ -233,6 +233,41 @@ PROMPTS = [
 
 
 # -- api_server ----------------------------------------------------------------------------------------------------
+def while_streaming(pipe, prompts, configs, tokens: int = 1000):
+    """``generate(pipe, prompts, configs)`` while a long unguided stream (of up to ``tokens`` tokens) decodes; returns
+    the outputs, the longest pause of the stream meanwhile and how long the requests took."""
+    times: list[float] = []
+    finished = []
+    # the stream's session is aborted once the requests are answered (it ran its 1000 tokens, most of the test's
+    # time)
+    session = pipe.session()
+
+    def long_stream():
+        config = gen_config(None, max_new_tokens=tokens, ignore_eos=True)
+        for chunk in pipe.stream_infer([PROMPTS[1]], sessions=[session], gen_config=[config]):
+            times.append(time.perf_counter())
+            if chunk.finish_reason is not None:
+                finished.append(chunk.finish_reason)
+
+    streamer = threading.Thread(target=long_stream, daemon=True)
+    streamer.start()
+    deadline = time.perf_counter() + 120
+    while len(times) < 5 and time.perf_counter() < deadline and streamer.is_alive():
+        time.sleep(0.05)
+    assert len(times) >= 5, 'the long stream did not start'
+    start = time.perf_counter()
+    outputs = generate(pipe, prompts, configs)
+    end = time.perf_counter()
+    stream_was_running = streamer.is_alive()
+    session.abort()
+    streamer.join(timeout=300)
+    assert finished in (['length'], ['abort']), finished
+    assert stream_was_running, 'the stream ended before the compiles did; make it longer'
+    window = [t for t in times if start <= t <= end]
+    assert window, 'the stream sent nothing while the grammars compiled'
+    return outputs, max((b - a for a, b in zip(window, window[1:])), default=0.0), end - start
+
+
 def spawn_server(args: list[str], log, max_batch_size: int = 4, model: str = 'tiny-llama',
                  port: int | None = None) -> tuple[subprocess.Popen, int]:
     """``lmdeploy serve api_server`` for ``model`` (a name of the CPU path's models) on the CPU path, in a new

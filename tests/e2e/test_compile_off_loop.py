@@ -12,7 +12,16 @@ import time
 
 import pytest
 import xgrammar as xgr
-from e2e_helpers import ENGINE_KWARGS, PROMPTS, check_valid, gen_config, generate, manager, model_agent
+from e2e_helpers import (
+    ENGINE_KWARGS,
+    PROMPTS,
+    check_valid,
+    gen_config,
+    generate,
+    manager,
+    model_agent,
+    while_streaming,
+)
 
 from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV
 
@@ -62,44 +71,9 @@ def monkeypatch_module():
         yield mp
 
 
-def _while_streaming(pipe, prompts, configs):
-    """``generate(pipe, prompts, configs)`` while a long unguided stream decodes; returns the outputs, the longest
-    pause of the stream meanwhile and how long the requests took."""
-    times: list[float] = []
-    finished = []
-    # the stream's session is aborted once the requests are answered (it ran its 1000 tokens, most of the test's
-    # time)
-    session = pipe.session()
-
-    def long_stream():
-        config = gen_config(None, max_new_tokens=1000, ignore_eos=True)
-        for chunk in pipe.stream_infer([PROMPTS[1]], sessions=[session], gen_config=[config]):
-            times.append(time.perf_counter())
-            if chunk.finish_reason is not None:
-                finished.append(chunk.finish_reason)
-
-    streamer = threading.Thread(target=long_stream, daemon=True)
-    streamer.start()
-    deadline = time.perf_counter() + 120
-    while len(times) < 5 and time.perf_counter() < deadline and streamer.is_alive():
-        time.sleep(0.05)
-    assert len(times) >= 5, 'the long stream did not start'
-    start = time.perf_counter()
-    outputs = generate(pipe, prompts, configs)
-    end = time.perf_counter()
-    stream_was_running = streamer.is_alive()
-    session.abort()
-    streamer.join(timeout=300)
-    assert finished in (['length'], ['abort']), finished
-    assert stream_was_running, 'the stream ended before the compiles did; make it longer'
-    window = [t for t in times if start <= t <= end]
-    assert window, 'the stream sent nothing while the grammars compiled'
-    return outputs, max((b - a for a, b in zip(window, window[1:])), default=0.0), end - start
-
-
 def test_slow_compiles_do_not_stall_decoding_and_a_compile_past_the_limit_fails_alone(limited_pipe):
     fits, too_slow, small = _fmt(wide_object(300)), _fmt(wide_object(SLOW_PROPERTIES)), _fmt(SMALL)
-    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24),
+    outputs, gap, took = while_streaming(limited_pipe, PROMPTS[:3], [gen_config(fits, max_new_tokens=24),
                                                                      gen_config(too_slow), gen_config(small)])
     # the grammar past the limit fails its own request, and says why and what to change
     assert outputs[1].finish_reason == 'error', outputs[1]
@@ -130,7 +104,7 @@ def test_structural_tags_compile_off_the_loop(limited_pipe):
         deep = {'type': 'object', 'properties': {'a': deep}}
     small = SMALL
     formats = [_tag(wide_object(300)), _tag(wide_object(SLOW_PROPERTIES)), _tag(small), _tag(deep)]
-    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:4], [gen_config(fmt, max_new_tokens=96)
+    outputs, gap, took = while_streaming(limited_pipe, PROMPTS[:4], [gen_config(fmt, max_new_tokens=96)
                                                                      for fmt in formats])
     assert outputs[0].finish_reason in ('stop', 'length') and outputs[0].text.startswith('<call>{'), outputs[0]
     assert outputs[1].finish_reason == 'error', outputs[1]
@@ -186,9 +160,9 @@ def test_a_request_stopped_while_its_grammar_compiles_leaves_nothing(engines):
     checked, failed = threading.Event(), []
     check_and_compile = engine._check_and_compile
 
-    def watched(response_format):
+    def watched(*args):
         try:
-            return check_and_compile(response_format)
+            return check_and_compile(*args)
         except BaseException as exc:
             failed.append(exc)
             raise
@@ -249,7 +223,7 @@ def test_a_grammar_slow_to_parse_is_stopped_at_the_limit_and_fails_alone(limited
     process stopped at the compile limit, and the request fails alone with the reason."""
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, str(LIMIT_S))  # the limit of this process's checks
     small = _fmt(SMALL)
-    outputs, gap, took = _while_streaming(limited_pipe, PROMPTS[:2], [gen_config(_fmt(SLOW_TO_PARSE)),
+    outputs, gap, took = while_streaming(limited_pipe, PROMPTS[:2], [gen_config(_fmt(SLOW_TO_PARSE)),
                                                                      gen_config(small)])
     assert outputs[0].finish_reason == 'error', outputs[0]
     assert f'longer than {LIMIT_S} s' in outputs[0].text and COMPILE_TIMEOUT_ENV in outputs[0].text, outputs[0].text

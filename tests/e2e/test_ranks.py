@@ -43,8 +43,10 @@ from e2e_helpers import (
     start_server,
     stop_server,
     wait_for_server,
+    while_streaming,
 )
 
+from lmdeploy_guided_spec.compile import COMPILE_TIMEOUT_ENV
 from lmdeploy_guided_spec.cpu import ranks
 from lmdeploy_guided_spec.testing import fill_logits
 
@@ -136,6 +138,49 @@ def test_tp2_guided_speculative_equals_tp1(engines, method, tmp_path):
     finally:
         pipe.close()
     print(f'[tp=2 {method}] {steps} speculative steps, drafts identical on both ranks')
+
+
+#: a grammar slow to compile: xgrammar takes seconds for a bounded string with the Llama-3 tokenizer (7 s for 200
+#: characters, 5 to 6 s for 180, on 2 cores)
+SLOW_TO_COMPILE = {'type': 'object', 'properties': {'note': {'type': 'string', 'maxLength': 180}},
+                   'required': ['note'], 'additionalProperties': False, 'title': 'slow to compile on every rank'}
+
+
+def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path):
+    """tp=2 (no speculative decoding): each rank process compiles a new grammar while the engine compiles it, off
+    its step, so a long unguided stream keeps decoding meanwhile and the guided request then decodes under its
+    grammar. Before, only the engine compiled it off its loop: each rank compiled it again inside its step once the
+    engine had scheduled the request, and the stream paused for about as long as one compile of the grammar."""
+    import xgrammar as xgr
+
+    from lmdeploy_guided_spec.testing import tokenizer_info
+    fmt = response_format('json_schema', schema=SLOW_TO_COMPILE)
+    # how long one compile of the grammar takes here, alone (the stall the stream saw before)
+    start = time.perf_counter()
+    xgr.GrammarCompiler(tokenizer_info('llama3'), cache_enabled=False).compile_json_schema(
+        json.dumps(SLOW_TO_COMPILE))
+    alone = time.perf_counter() - start
+    start = time.perf_counter()
+    # the engine and both ranks compile the grammar at once, and the engine probes its masks: far from the limit
+    pipe = _pipeline('tiny-llama', tp=2, max_batch_size=8, env={COMPILE_TIMEOUT_ENV: '300'})
+    print(f'\n[tp=2 compile] engine start-up {time.perf_counter() - start:.1f} s; one compile alone {alone:.1f} s')
+    try:
+        # the ranks' compile services start with a first grammar
+        warm = generate(pipe, ['One order line, please.'],
+                        [gen_config(response_format('json_schema', schema=ITEM), max_new_tokens=32)])
+        assert warm[0].finish_reason in ('stop', 'length'), warm[0]
+        outputs, gap, took = while_streaming(pipe, ['Leave a note as JSON.'], [gen_config(fmt, max_new_tokens=24)],
+                                             tokens=4000)
+        print(f'[tp=2 compile] the guided request took {took:.1f} s; the stream paused at most {gap:.2f} s')
+        assert outputs[0].finish_reason in ('stop', 'length'), outputs[0]
+        assert outputs[0].text.lstrip().startswith('{'), outputs[0].text
+        if outputs[0].finish_reason == 'stop':
+            check_valid(outputs[0].text, fmt)
+        # the compile is slow enough to tell a stream that waited for it from one that did not
+        assert alone > 1.5, f'the grammar compiled in {alone:.1f} s: too fast to tell'
+        assert gap < alone / 2, f'the stream paused {gap:.1f} s; one compile of the grammar takes {alone:.1f} s'
+    finally:
+        pipe.close()
 
 
 def test_tp2_free_drafts_rank_that_does_not_sample_keeps_no_grammar(engines, tmp_path):

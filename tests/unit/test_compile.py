@@ -918,6 +918,36 @@ def test_lookup_answers_from_the_cache_and_never_compiles(service):
     assert service.lookup('json_schema', schema) is None  # other options, another grammar
 
 
+def test_lookup_waits_for_a_compile_in_flight_when_asked():
+    """A rank beside its engine compiles the grammar the engine compiles: its step waits for what is left of that
+    compile (``wait_s``) instead of compiling the grammar again; without ``wait_s`` a compile in flight is a miss,
+    and a wait is bounded."""
+    # a limit far from these compiles (bounded strings compile in seconds on a loaded machine)
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1) as service:
+        schema = {'type': 'object', 'properties': {'note': {'type': 'string', 'maxLength': 48}}, 'title': 'in flight'}
+        future = service.submit('json_schema', schema)
+        assert service.lookup('json_schema', schema) is None or future.done()
+        grammar = service.lookup('json_schema', schema, wait_s=60)
+        assert future.done() and grammar is future.result()
+        assert service.lookup('json_schema', schema) is grammar
+        # nothing in flight: a miss at once, whatever the wait
+        start = time.perf_counter()
+        assert service.lookup('json_schema', {'type': 'string', 'title': 'never sent'}, wait_s=60) is None
+        assert time.perf_counter() - start < 0.1
+        # a compile that fails: None, as for a grammar never compiled (its own caller reads why)
+        failing = service.submit('regex', '(unclosed')
+        assert service.lookup('regex', '(unclosed', wait_s=60) is None
+        with pytest.raises(GrammarCompileError):
+            failing.result(timeout=60)
+        # a compile that takes longer than the wait: None when the wait is over, and the compile goes on
+        slow = {'type': 'object', 'properties': {'note': {'type': 'string', 'maxLength': 24}}, 'title': 'longer'}
+        future = service.submit('json_schema', slow)
+        start = time.perf_counter()
+        assert service.lookup('json_schema', slow, wait_s=0.05) is None or future.done()
+        assert time.perf_counter() - start < 1
+        assert future.result(timeout=60) is service.lookup('json_schema', slow)
+
+
 def test_the_cache_is_bounded_by_bytes(service, monkeypatch):
     # a probe of the same shape as the grammars below
     size = service.compile('regex', 'bounded-p').memory_size_bytes
