@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import multiprocessing.connection
 import os
 import re
@@ -45,7 +46,7 @@ import xgrammar as xgr
 
 from . import regular
 from .depth import tag_schemas
-from .env import positive_from_env
+from .env import positive_from_env, warn_bad_setting_once
 from .errors import (
     CheckAbandoned,
     GrammarCompileBusy,
@@ -63,7 +64,7 @@ __all__ = [
     'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
     'compile_timeout_s_from_env', 'grammar_is_empty', 'grammar_checker', 'conversion_cost', 'SLOW_CONVERSION_COST',
     'SLOW_QUEUED', 'SLOW_QUEUED_ENV', 'slow_queued_from_env', 'entry_check_executor', 'run_entry_check',
-    'DISCONNECT_POLL_S'
+    'DISCONNECT_POLL_S', 'COMPILE_CACHE_ENV', 'DEFAULT_COMPILE_CACHE_MB', 'compile_cache_limit_bytes_from_env'
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,12 @@ MATCHER_LIMIT_ENV = 'LMDEPLOY_GUIDED_SPEC_MATCHER_LIMIT_MB'
 #: engine keeps one matcher per guided row and forks it for every draft window, so one such request took the
 #: engine's process past 8 GB.
 DEFAULT_MATCHER_LIMIT_MB = 64.0
+#: Environment variable with the bound, in megabytes, of a cache of compiled grammars (an engine's compile service
+#: and its compiler's own cache each have one).
+COMPILE_CACHE_ENV = 'LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB'
+#: Bound of a cache of compiled grammars when the environment variable gives none. The largest of the JSONSchemaBench
+#: schemas xgrammar compiles takes 76 MB compiled (Llama-3's tokenizer); a grammar bigger than the bound is refused.
+DEFAULT_COMPILE_CACHE_MB = 256.0
 #: Token positions a probe walks through a compiled grammar.
 PROBE_TOKENS = 16
 #: Walks of a probe (each from the grammar's start, with its own random choices).
@@ -132,6 +139,22 @@ def compile_timeout_s_from_env() -> float:
 def mask_limit_ms_from_env() -> float:
     """``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``, else :data:`DEFAULT_MASK_LIMIT_MS`; ``ValueError`` naming it."""
     return positive_from_env(MASK_LIMIT_ENV, DEFAULT_MASK_LIMIT_MS, kind='a number of milliseconds')
+
+
+def compile_cache_limit_bytes_from_env() -> int:
+    """``LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB`` in bytes, else :data:`DEFAULT_COMPILE_CACHE_MB`. A value that is not a
+    positive finite number is logged once and the default applies (without a cache, the engine would compile every
+    grammar again where it builds the matcher, on its loop; and the caller builds a grammar manager, which must not
+    fail for it)."""
+    try:
+        megabytes = positive_from_env(COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE_MB, kind='a number of megabytes')
+        if not math.isfinite(megabytes):
+            raise ValueError(f'{COMPILE_CACHE_ENV}={os.environ[COMPILE_CACHE_ENV]!r} must be a finite number of '
+                             f'megabytes')
+    except ValueError as err:
+        warn_bad_setting_once(logger, f'{err}; using the default, {DEFAULT_COMPILE_CACHE_MB:g} MB')
+        megabytes = DEFAULT_COMPILE_CACHE_MB
+    return int(megabytes * (1 << 20))
 
 
 def matcher_limit_mb_from_env() -> float:
@@ -1271,8 +1294,8 @@ class GrammarCompileService:
             size = reply[1]
             raise GrammarCompileError(
                 f'the {self._describe(job)} takes {size / (1 << 20):.1f} MB compiled, more than the '
-                f'{self.cache_limit_bytes / (1 << 20):.1f} MB the compile cache holds. Simplify the schema: many '
-                f'properties with wide numeric ranges or long bounded strings are the usual cause')
+                f'{self.cache_limit_bytes / (1 << 20):.1f} MB the compile cache holds ({COMPILE_CACHE_ENV}). Simplify '
+                f'the schema: many properties with wide numeric ranges or long bounded strings are the usual cause')
         _, payload, seconds, size = reply
         if payload is not None:
             return xgr.CompiledGrammar.deserialize_json(payload, self._info)

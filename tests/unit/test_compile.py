@@ -133,7 +133,8 @@ def test_a_grammar_bigger_than_the_cache_fails_its_compile():
                                cache_limit_bytes=100_000) as svc:
         small = svc.submit('json_schema', {'type': 'integer'}).result(timeout=60)
         assert small.memory_size_bytes < 100_000 and svc.cache_entries == 1
-        with pytest.raises(GrammarCompileError, match=r'MB compiled, more than the 0.1 MB the compile cache holds'):
+        with pytest.raises(GrammarCompileError, match=r'MB compiled, more than the 0.1 MB the compile cache holds '
+                                                      r'\(LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB\)'):
             svc.submit('json_schema', PERSON).result(timeout=60)
         assert svc.cache_entries == 1
         # cached, or not, the compile of the small one is unchanged
@@ -1075,6 +1076,23 @@ def test_a_bad_matcher_limit_variable_is_named(monkeypatch):
     monkeypatch.setenv(MATCHER_LIMIT_ENV, 'lots')
     with pytest.raises(ValueError, match=MATCHER_LIMIT_ENV):
         GrammarCompileService(tokenizer_info('llama3'))
+
+
+def test_the_cache_bound_is_a_variable(monkeypatch, caplog):
+    from lmdeploy_guided_spec.compile import COMPILE_CACHE_ENV, compile_cache_limit_bytes_from_env
+    assert compile_cache_limit_bytes_from_env() == 256 << 20
+    monkeypatch.setenv(COMPILE_CACHE_ENV, '512.5')
+    assert compile_cache_limit_bytes_from_env() == int(512.5 * (1 << 20))
+    # a bad value is the server's setting: logged once, and the default applies (an engine must not lose its grammar
+    # manager for it)
+    from lmdeploy_guided_spec import env
+    for bad in ('lots', '0', '-1', 'inf', 'nan'):
+        monkeypatch.setenv(COMPILE_CACHE_ENV, bad)
+        monkeypatch.setattr(env, '_WARNED', set())
+        with caplog.at_level(logging.WARNING, logger='lmdeploy_guided_spec.compile'):
+            caplog.clear()
+            assert compile_cache_limit_bytes_from_env() == 256 << 20
+        assert COMPILE_CACHE_ENV in caplog.text and 'using the default, 256 MB' in caplog.text, (bad, caplog.text)
 
 
 def test_a_bad_timeout_variable_is_named(monkeypatch):

@@ -1,0 +1,133 @@
+"""Ranks in processes of their own (``tp > 1``, the ``mp`` and ``ray`` executors) compile a new grammar when the
+engine does, off their step (patch 0079 of 0.18.0, 0077 of 0.14.0), and the bound of the compile caches is
+``LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB``. The installed lmdeploy's own ``GuidedDecodingManager``,
+``WorkerWrapperBase`` and ``Engine`` methods, without a model; ``tests/e2e/test_ranks.py`` runs them across rank
+processes."""
+import asyncio
+import logging
+import types
+
+import pytest
+
+from lmdeploy_guided_spec.compile import COMPILE_CACHE_ENV, COMPILE_TIMEOUT_ENV
+from lmdeploy_guided_spec.testing import load_tokenizer, tokenizer_info
+
+pytestmark = pytest.mark.engine
+
+SCHEMA = {'type': 'object', 'properties': {'note': {'type': 'string', 'maxLength': 40}}, 'required': ['note'],
+          'additionalProperties': False, 'title': 'compiled ahead of the step'}
+FMT = {'type': 'json_schema', 'json_schema': {'name': 'r', 'schema': SCHEMA}}
+
+
+def _manager():
+    from lmdeploy.pytorch.engine.guided_process import GuidedDecodingManager
+    return GuidedDecodingManager(load_tokenizer('llama3'), tokenizer_info('llama3').vocab_size)
+
+
+class _Records(logging.Handler):
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_rank_compiles_ahead_and_its_step_builds_the_matcher_from_that_compile(monkeypatch):
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '20')
+    manager = _manager()
+    try:
+        manager.precompile(None)
+        manager.precompile({'type': 'text'})
+        assert manager.compile_service is None, 'a rank starts its compile service with its first grammar'
+        manager.precompile(FMT)
+        service = manager.compile_service
+        # the engine probes the grammar's cost and refuses it; the rank compiles beside it with twice the limit
+        assert service.timeout_s == 40
+        assert service.mask_limit_ms == float('inf') and service.matcher_limit_mb == float('inf')
+        # the step waits for that compile (in flight or done) instead of compiling the grammar itself
+        manager.compiler = None  # a compile inside the step would fail here
+        processors = manager.get_processors([{'session_id': 1, 'seq_id': 1}], (FMT, ))
+        assert processors[0].accept_string('{"note": "hi"}')
+        assert not processors[0].accept_string(', "more": 1')
+    finally:
+        manager.close_compile_service()
+
+
+def test_the_compile_caches_take_their_bound_from_the_variable(monkeypatch):
+    monkeypatch.setenv(COMPILE_CACHE_ENV, '300')
+    manager = _manager()
+    try:
+        assert manager.cache_limit_bytes == 300 << 20
+        manager.start_compile_service()
+        assert manager.compile_service.cache_limit_bytes == 300 << 20
+    finally:
+        manager.close_compile_service()
+    monkeypatch.delenv(COMPILE_CACHE_ENV)
+    assert _manager().cache_limit_bytes == 256 << 20
+
+
+def _worker(manager, spec_agent=None):
+    from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
+    worker = object.__new__(WorkerWrapperBase)  # no model: only the call under test
+    worker.model_agent = types.SimpleNamespace(guided_decoding_manager=manager, spec_agent=spec_agent)
+    return worker
+
+
+def test_the_rank_call_never_raises_and_a_rank_without_grammar_state_compiles_nothing():
+    # an exception in a call without an answer would end the rank process (and the engine with it)
+    class Failing:
+
+        def precompile(self, response_format):
+            raise RuntimeError('the compile service is gone')
+
+    records = _Records()
+    logger = logging.getLogger('lmdeploy')
+    logger.addHandler(records)
+    try:
+        _worker(Failing()).precompile_grammar(FMT)
+    finally:
+        logger.removeHandler(records)
+    assert any('the compile service is gone' in m for m in records.messages), records.messages
+    # a rank that does not sample beside a draft model that drafts without the grammar keeps no grammar state
+    sent = []
+    manager = types.SimpleNamespace(precompile=sent.append)
+    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=False)).precompile_grammar(FMT)
+    assert sent == []
+    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=True)).precompile_grammar(FMT)
+    _worker(manager, types.SimpleNamespace(guided_spec=None)).precompile_grammar(FMT)  # no speculative decoding
+    _worker(manager).precompile_grammar(FMT)
+    assert sent == [FMT, FMT, FMT]
+
+
+@pytest.mark.parametrize('executor', ['mp', 'ray'])
+def test_the_engine_sends_the_grammar_to_its_ranks_without_waiting_for_an_answer(executor):
+    """The mp executor's first rank answers the model's outputs on the same channel: the call asks no answer there
+    (``return_mask=0``); ray's ``collective_rpc_async`` has no such parameter. Only an executor without a model agent
+    of its own (ranks in other processes) is sent anything."""
+    from lmdeploy.pytorch.engine.engine import Engine
+    calls = []
+
+    class MP:
+
+        async def collective_rpc_async(self, method, args=None, kwargs=None, receiver_mask=0xff, return_mask=0xff):
+            calls.append((method, args, return_mask))
+
+    class Ray:
+
+        async def collective_rpc_async(self, method, args=None, kwargs=None):
+            calls.append((method, args, None))
+
+    engine = object.__new__(Engine)  # no model: only the methods under test
+    engine.executor = MP() if executor == 'mp' else Ray()
+    engine._rank_compile_tasks = set()
+    engine._rank_compile_options = None
+
+    async def main():
+        engine._precompile_on_ranks(FMT)
+        await asyncio.sleep(0.01)
+        assert not engine._rank_compile_tasks
+
+    asyncio.run(main())
+    assert calls == [('precompile_grammar', (FMT, ), 0 if executor == 'mp' else None)]
