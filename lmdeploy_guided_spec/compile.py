@@ -148,9 +148,9 @@ def compile_cache_limit_bytes_from_env() -> int:
     fail for it)."""
     try:
         megabytes = positive_from_env(COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE_MB, kind='a number of megabytes')
-        if not math.isfinite(megabytes):
+        if not math.isfinite(megabytes) or megabytes * (1 << 20) >= 1 << 62:
             raise ValueError(f'{COMPILE_CACHE_ENV}={os.environ[COMPILE_CACHE_ENV]!r} must be a finite number of '
-                             f'megabytes')
+                             f'megabytes, below 2**42')
     except ValueError as err:
         warn_bad_setting_once(logger, f'{err}; using the default, {DEFAULT_COMPILE_CACHE_MB:g} MB')
         megabytes = DEFAULT_COMPILE_CACHE_MB
@@ -190,6 +190,9 @@ _CHECKED_ENTRIES = 4096
 # seconds a check stopped at the limit is remembered: the same source sent again is refused without a process
 # spending the limit on it again; a source that was slow only on a loaded machine is checked again after this
 _TIMED_OUT_REMEMBERED_S = 600.0
+# seconds a compile stopped at the limit is remembered (other failed compiles: _TIMED_OUT_REMEMBERED_S): a grammar
+# that timed out only because the host was busy is compiled again sooner
+_COMPILE_TIMED_OUT_REMEMBERED_S = 120.0
 
 
 def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) -> list[int]:
@@ -730,7 +733,8 @@ class GrammarCompileService:
         self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError | _TimedOut] = \
             collections.OrderedDict()
         # compiles that failed (past the limit, or refused: mask cost, matcher or compiled size, a crash), by a
-        # digest of their key, for _TIMED_OUT_REMEMBERED_S seconds: a client that sends the grammar again is refused
+        # digest of their key, for _TIMED_OUT_REMEMBERED_S seconds (past the limit: _COMPILE_TIMED_OUT_REMEMBERED_S):
+        # a client that sends the grammar again is refused
         # at once instead of holding a compiler process for up to the limit again
         self._failed: collections.OrderedDict[bytes, _TimedOut] = collections.OrderedDict()
         self._inflight: dict[tuple | bytes, concurrent.futures.Future] = {}
@@ -800,7 +804,8 @@ class GrammarCompileService:
         -------
         concurrent.futures.Future
             Done at once for a cached grammar, and failed at once, with the same error, for a grammar whose
-            compile failed (past the limit, or refused) within the last :data:`_TIMED_OUT_REMEMBERED_S` seconds;
+            compile failed within the last :data:`_TIMED_OUT_REMEMBERED_S` seconds (refused) or
+            :data:`_COMPILE_TIMED_OUT_REMEMBERED_S` (past the limit);
             the same future for a compile of the same grammar in flight.
 
         Raises
@@ -818,10 +823,13 @@ class GrammarCompileService:
             raise RuntimeError('this grammar service has no tokenizer: it checks grammars, it does not compile them')
         kind, source, options = self._normalize(kind, source, options)
         key = (kind, source, json.dumps(options, sort_keys=True))
+        digest = _digest(key)  # (a source can be megabytes: not under the lock)
         with self._lock:
-            failed = self._failed.get(_digest(key))
-            if failed is not None and failed.limit_s >= self.timeout_s and \
-                    time.monotonic() - failed.at < _TIMED_OUT_REMEMBERED_S:
+            failed = self._failed.get(digest)
+            remembered_s = (_COMPILE_TIMED_OUT_REMEMBERED_S if isinstance(getattr(failed, 'error', None),
+                                                                          GrammarCompileTimeout)
+                            else _TIMED_OUT_REMEMBERED_S)
+            if failed is not None and failed.limit_s >= self.timeout_s and time.monotonic() - failed.at < remembered_s:
                 future = concurrent.futures.Future()
                 future.set_exception(_copy_error(failed.error))
                 return future
@@ -876,10 +884,10 @@ class GrammarCompileService:
         grammar evicted in between is None, and the caller compiles it as it would without the service.
 
         ``wait_s``: how long to wait for a compile of the grammar in flight (a :meth:`submit` started it); its
-        grammar, or None when that compile fails or is not done by then. A process that compiles what another one
-        gates its requests on (a rank of a tensor-parallel group, beside its engine) waits for what is left of its
-        own compile instead of compiling the grammar again. The wait does not count as a caller of the job: when
-        every caller of :meth:`submit` abandons it, it is stopped, and this returns None.
+        grammar, or None when that compile fails or is not done by then. A process that
+        compiles what another one gates its requests on (a rank of a tensor-parallel group, beside its engine) waits
+        for what is left of its own compile instead of compiling the grammar again. The wait does not count as a
+        caller of the job: when every caller of :meth:`submit` abandons it, it is stopped, and this returns None.
         """
         if self._info is None:
             return None

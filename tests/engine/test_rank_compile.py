@@ -43,8 +43,8 @@ def test_a_rank_compiles_ahead_and_its_step_builds_the_matcher_from_that_compile
         assert manager.compile_service is None, 'a rank starts its compile service with its first grammar'
         manager.precompile(FMT)
         service = manager.compile_service
-        # the engine probes the grammar's cost and refuses it; the rank compiles beside it with twice the limit
-        assert service.timeout_s == 40
+        # the engine probes the grammar's cost and refuses it; the rank compiles it, under the same limit
+        assert service.timeout_s == 20
         assert service.mask_limit_ms == float('inf') and service.matcher_limit_mb == float('inf')
         # the step waits for that compile (in flight or done) instead of compiling the grammar itself
         manager.compiler = None  # a compile inside the step would fail here
@@ -68,10 +68,11 @@ def test_the_compile_caches_take_their_bound_from_the_variable(monkeypatch):
     assert _manager().cache_limit_bytes == 256 << 20
 
 
-def _worker(manager, spec_agent=None):
+def _worker(manager, spec_agent=None, need_output=True):
     from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
     worker = object.__new__(WorkerWrapperBase)  # no model: only the call under test
-    worker.model_agent = types.SimpleNamespace(guided_decoding_manager=manager, spec_agent=spec_agent)
+    worker.model_agent = types.SimpleNamespace(guided_decoding_manager=manager, spec_agent=spec_agent,
+                                               need_output=need_output)
     return worker
 
 
@@ -90,13 +91,18 @@ def test_the_rank_call_never_raises_and_a_rank_without_grammar_state_compiles_no
     finally:
         logger.removeHandler(records)
     assert any('the compile service is gone' in m for m in records.messages), records.messages
-    # a rank that does not sample beside a draft model that drafts without the grammar keeps no grammar state
+    # a rank that builds no matcher compiles nothing: without speculative decoding one that does not sample, with it
+    # one that does not sample beside a draft model that drafts without the grammar
     sent = []
     manager = types.SimpleNamespace(precompile=sent.append)
+    _worker(manager, types.SimpleNamespace(guided_spec=None), need_output=False).precompile_grammar(FMT)
+    _worker(manager, need_output=False).precompile_grammar(FMT)
     _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=False)).precompile_grammar(FMT)
     assert sent == []
-    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=True)).precompile_grammar(FMT)
-    _worker(manager, types.SimpleNamespace(guided_spec=None)).precompile_grammar(FMT)  # no speculative decoding
+    # (drafts that depend on the grammar: every rank keeps it, also one that does not sample)
+    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=True),
+            need_output=False).precompile_grammar(FMT)
+    _worker(manager, types.SimpleNamespace(guided_spec=None)).precompile_grammar(FMT)
     _worker(manager).precompile_grammar(FMT)
     assert sent == [FMT, FMT, FMT]
 
@@ -131,3 +137,26 @@ def test_the_engine_sends_the_grammar_to_its_ranks_without_waiting_for_an_answer
 
     asyncio.run(main())
     assert calls == [('precompile_grammar', (FMT, ), 0 if executor == 'mp' else None)]
+
+
+def test_a_grammar_the_engine_answers_at_once_is_not_sent_to_the_ranks():
+    """A grammar compiled before, or refused within the last minutes, is answered at once by the engine's compile
+    service: the ranks are not asked to compile it (nor to compile again a grammar the engine refuses)."""
+    import concurrent.futures
+    import threading
+
+    from lmdeploy.pytorch.engine.engine import Engine
+    engine = object.__new__(Engine)  # no model: only the method under test
+    engine.executor = types.SimpleNamespace()  # no model agent of its own: ranks in other processes
+    posted = []
+    loop = types.SimpleNamespace(call_soon_threadsafe=lambda callback, *args: posted.append(args))
+    done = concurrent.futures.Future()
+    done.set_result('a grammar')
+    engine.guided_decoding_manager = types.SimpleNamespace(compile_async=lambda response_format: done)
+    assert engine._check_and_compile(FMT, loop) == 'a grammar'
+    assert posted == []
+    pending = concurrent.futures.Future()
+    threading.Timer(0.2, pending.set_result, args=('compiled now', )).start()
+    engine.guided_decoding_manager = types.SimpleNamespace(compile_async=lambda response_format: pending)
+    assert engine._check_and_compile(FMT, loop) == 'compiled now'
+    assert posted == [(FMT, )]
