@@ -339,17 +339,11 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
 
 
 def _refused(client, model, messages, fmt, reason):
-    """A request the engine refuses for its grammar: HTTP 400 with ``reason``; lmdeploy 0.14.0's api_server answers
-    a request the engine failed with its reason as the text."""
-    try:
-        choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
-                                                max_tokens=16).choices[0]
-    except openai.APIStatusError as err:
-        assert err.status_code == 400 and reason in str(err), err
-    else:
-        import lmdeploy
-        assert lmdeploy.__version__ == '0.14.0' and choice.finish_reason == 'error', choice
-        assert reason in choice.message.content, choice
+    """A request the engine refuses for its grammar: HTTP 400 with ``reason``, on every release (lmdeploy 0.14.0's
+    api_server answered HTTP 200 with the reason as the text, ``finish_reason`` 'error')."""
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=16)
+    assert raised.value.status_code == 400 and reason in str(raised.value), raised.value
 
 
 def test_a_session_id_in_use_is_refused_with_a_conflict(server):
@@ -462,9 +456,9 @@ def test_prompts_at_the_edges(server):
     """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
     server error, null sampling fields are their defaults, a token-id prompt on /v1/completions is HTTP 400 saying
     what to send, and a
-    prompt longer than the context is refused as such: HTTP 400 (0.18.0) or finish_reason
-    'error' (0.14.0), saying it exceeds the context length. On 0.14.0 the empty prompt was HTTP 500 (``len(None)``)
-    and the long one ended with "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
+    prompt longer than the context is refused as such: HTTP 400 saying it exceeds the context length. On 0.14.0 the
+    empty prompt was HTTP 500 (``len(None)``) and the long one HTTP 200 with ``finish_reason`` 'error' and the text
+    "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
     proc, base, log = server
     model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
     status, answer = _post(base, '/v1/completions', {'model': model, 'prompt': '', 'max_tokens': 4,
@@ -493,7 +487,66 @@ def test_prompts_at_the_edges(server):
         status, answer = _post(base, path, {**body, 'max_tokens': 4})
         text = json.dumps(answer)
         assert 'context length' in text and 'internal error' not in text, (path, status, answer)
-        assert status == 400 or status == 200 and answer['choices'][0]['finish_reason'] == 'error', (path, answer)
+        assert status == 400, (path, status, answer)
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
+def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
+    """A request the engine fails, here for a grammar whose masks cost past the limit (the engine's compile refuses
+    it, not the server's entry check), is an error with the engine's reason on every endpoint, never an answer whose
+    text is the reason: HTTP 400 without a stream; a stream ends with its error event (chat, completions and
+    /generate: ``data: {"error": ...}``, then ``[DONE]``; the Responses API: ``response.failed`` whose error is the
+    reason, with no output text; Anthropic's: ``event: error``). lmdeploy 0.14.0 answered each with HTTP 200,
+    ``finish_reason`` 'error' (the Responses API: status failed, "Response generation failed.") and the reason as
+    the text, streamed or not."""
+    proc, base, log = server
+    model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
+    reason = 'ms per token to match'
+    slow = '([a-z]+ ?){1,300}'
+    schema = {'type': 'object', 'properties': {'words': {'type': 'string', 'pattern': slow}}, 'required': ['words']}
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'words', 'schema': schema}}
+    messages = [{'role': 'user', 'content': 'Some words.'}]
+    bodies = {
+        '/v1/chat/completions': {'model': model, 'messages': messages, 'response_format': fmt, 'max_tokens': 8},
+        '/v1/completions': {'model': model, 'prompt': 'Some words:', 'response_format': fmt, 'max_tokens': 8},
+        '/generate': {'prompt': 'Some words:', 'response_format': fmt, 'max_tokens': 8},
+        '/v1/responses': {'model': model, 'input': 'Some words.', 'max_output_tokens': 8,
+                          'text': {'format': {'type': 'json_schema', 'name': 'words', 'schema': schema}}},
+        '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': 8,
+                         'output_format': {'type': 'json_schema', 'schema': schema}},
+    }
+
+    def post(path, body):
+        headers = {'Content-Type': 'application/json', 'anthropic-version': '2023-06-01'}
+        request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    for path, body in bodies.items():
+        status, text = post(path, body)
+        assert status == 400 and reason in text, (path, status, text[:600])
+        status, text = post(path, {**body, 'stream': True})
+        assert status == 200, (path, status, text[:600])
+        events = [json.loads(line[len('data: '):]) for line in text.splitlines()
+                  if line.startswith('data: {')]
+        assert events, (path, text[:600])
+        if path == '/v1/responses':
+            failed = [e for e in events if e.get('type') == 'response.failed']
+            assert failed and reason in failed[-1]['response']['error']['message'], (path, text[:1500])
+            assert not failed[-1]['response'].get('output_text'), failed[-1]
+            assert not any(e.get('type') == 'response.output_text.delta' and reason in e.get('delta', '')
+                           for e in events), text[:1500]
+        elif path == '/v1/messages':
+            assert 'event: error' in text and reason in events[-1]['error']['message'], (path, text[:1500])
+            assert not any(reason in json.dumps(e.get('delta', {})) for e in events), text[:1500]
+        else:
+            assert reason in events[-1]['error']['message'], (path, text[:1500])
+            assert text.rstrip().endswith('data: [DONE]'), (path, text[-300:])
+            assert not any(reason in json.dumps(e.get('choices', [])) or reason in str(e.get('text', ''))
+                           for e in events[:-1]), (path, text[:1500])
     assert proc.poll() is None and traffic.health(base) == 200
 
 
@@ -856,13 +909,11 @@ def test_generate_serves_a_constraint_of_its_output(server):
     with open(os.path.join(models.resolve('tiny-llama'), 'config.json')) as config:
         vocab = json.load(config)['vocab_size']
     for body, outside in (({'input_ids': [10**9]}, 10**9), ({'input_ids': [1, -5]}, -5)):
-        try:  # HTTP 400 on 0.18; on 0.14 finish_reason "error", with the reason as the text
-            out = post({**body, 'max_tokens': 4})
-            assert out['meta_info']['finish_reason'] == {'type': 'error'}, out
-            message = out['text']
-        except urllib.error.HTTPError as error:
-            assert error.code == 400, error
-            message = json.loads(error.read())['message']
+        # HTTP 400 (0.14.0 answered HTTP 200, finish_reason "error" and the reason as the text)
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            post({**body, 'max_tokens': 4})
+        assert raised.value.code == 400, raised.value
+        message = json.loads(raised.value.read())['message']
         assert f'outside the vocabulary of {vocab} tokens: {outside}' in message, message
         # the server's log gives the engine's reason too ('reason "error"' alone told an operator nothing)
         assert re.search(rf'reason "error": .*outside the vocabulary of {vocab} tokens: {outside}', log.read_text()), \
