@@ -270,7 +270,8 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
     requests run on meanwhile, and the server serves the next request. (The waiting request is unguided: a guided
     one's entry check could still run when the abort comes, which another test covers.) A streamed request whose
     client gives up while it waits counts as failed: before 0054/0067 it was never counted as ended, and the
-    ``lmdeploy:num_api_requests_waiting`` gauge stayed at 1 for ever."""
+    ``lmdeploy:num_api_requests_waiting`` gauge stayed at 1 for ever. A request the engine fails counts once, streamed
+    or not."""
     log = tmp_path / 'server.log'
     proc, base = start_server(['--enable-abort-handling'], log, max_batch_size=2)
     try:
@@ -334,6 +335,20 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
         assert waiting == 0, (waiting, failed)
         # the waiting request aborted, the two long ones aborted, the one whose client gave up
         assert failed == 4, (waiting, failed)
+        # a request the engine fails (a grammar whose masks cost past the limit) counts once, streamed or not: a
+        # stream closed at its error event counted it as cancelled too
+        refused = {'type': 'regex_schema', 'regex_schema': '([a-z]+ ?){1,300}'}
+        for stream in (False, True):
+            with pytest.raises(openai.APIError, match='ms per token to match'):
+                answer = client.chat.completions.create(model=model, messages=[{'role': 'user', 'content': 'Words.'}],
+                                                        max_tokens=8, response_format=refused, stream=stream)
+                if stream:
+                    list(answer)
+        deadline = time.monotonic() + 30
+        while metric(base, 'num_requests_failed') < 6 and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(11)  # and a gauge written after that
+        assert metric(base, 'num_requests_failed') == 6, metric(base, 'num_requests_failed')
     finally:
         stop_server(proc)
 
