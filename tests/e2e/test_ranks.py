@@ -178,7 +178,9 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path):
             check_valid(outputs[0].text, fmt)
         # the compile is slow enough to tell a stream that waited for it from one that did not
         assert alone > 1.5, f'the grammar compiled in {alone:.1f} s: too fast to tell'
-        assert gap < alone / 2, f'the stream paused {gap:.1f} s; one compile of the grammar takes {alone:.1f} s'
+        # (a step that compiled it paused the stream 0.8-0.9 of that; off the step, 0.2 of it alone, up to 0.52 in CI
+        # beside the other release's suite)
+        assert gap < alone * 0.65, f'the stream paused {gap:.1f} s; one compile of the grammar takes {alone:.1f} s'
     finally:
         pipe.close()
 
