@@ -884,10 +884,10 @@ class GrammarCompileService:
         grammar evicted in between is None, and the caller compiles it as it would without the service.
 
         ``wait_s``: how long to wait for a compile of the grammar in flight (a :meth:`submit` started it); its
-        grammar, or None when that compile fails or is not done by then. A process that
-        compiles what another one gates its requests on (a rank of a tensor-parallel group, beside its engine) waits
-        for what is left of its own compile instead of compiling the grammar again. The wait does not count as a
-        caller of the job: when every caller of :meth:`submit` abandons it, it is stopped, and this returns None.
+        grammar, or None when that compile fails or is not done by then. A process that compiles what another one
+        gates its requests on (a rank of a tensor-parallel group, beside its engine) waits for what is left of its
+        own compile instead of compiling the grammar again. The wait does not count as a caller of the job: when
+        every caller of :meth:`submit` abandons it, it is stopped, and this returns None.
         """
         if self._info is None:
             return None

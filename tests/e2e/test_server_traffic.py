@@ -197,9 +197,10 @@ def test_hostile_requests(server):
     assert traffic.health(base) == 200
 
 
-def _post(base: str, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+def _post(base: str, path: str, body: dict, timeout: float = 300, headers: dict | None = None) -> tuple[int, dict]:
     """POST ``body`` as JSON to ``path``: the HTTP status and the answer (its JSON, else ``{'text': ...}``)."""
-    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), {'Content-Type': 'application/json'})
+    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(),
+                                     {'Content-Type': 'application/json', **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             status, text = answer.status, answer.read()
@@ -530,20 +531,12 @@ def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
         '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': 8,
                          'output_format': {'type': 'json_schema', 'schema': schema}},
     }
-
-    def post(path, body):
-        headers = {'Content-Type': 'application/json', 'anthropic-version': '2023-06-01'}
-        request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(), headers)
-        try:
-            with urllib.request.urlopen(request, timeout=300) as answer:
-                return answer.status, answer.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
-
+    anthropic = {'anthropic-version': '2023-06-01'}
     for path, body in bodies.items():
-        status, text = post(path, body)
-        assert status == 400 and reason in text, (path, status, text[:600])
-        status, text = post(path, {**body, 'stream': True})
+        status, answer = _post(base, path, body, headers=anthropic)
+        assert status == 400 and reason in json.dumps(answer), (path, status, answer)
+        status, answer = _post(base, path, {**body, 'stream': True}, headers=anthropic)
+        text = answer.get('text', '')
         assert status == 200, (path, status, text[:600])
         events = [json.loads(line[len('data: '):]) for line in text.splitlines()
                   if line.startswith('data: {')]
