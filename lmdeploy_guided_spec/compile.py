@@ -1015,7 +1015,7 @@ class GrammarCompileService:
             if key in self._sharers or new.slow:
                 if self._slow_waiters >= 2 * self.slow_queued:
                     future = concurrent.futures.Future()
-                    future.set_exception(self._refusal(new, f'{self._slow_waiters} requests wait for such grammars'))
+                    future.set_exception(self._refusal(new, f'{self._slow_waiters} requests for such grammars'))
                     return future
                 self._sharers[key] = self._sharers.get(key, 0) + 1
                 self._slow_waiters += 1

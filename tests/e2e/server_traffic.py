@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -206,6 +207,21 @@ def patterned(base: str, alive: Callable[[], None], seeds: int = 12) -> int:
 
 def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
+
+
+def post(base: str, path: str, body: dict, timeout: float = 300, headers: dict | None = None) -> tuple[int, dict]:
+    """POST ``body`` as JSON to ``path``: the HTTP status and the answer (its JSON, else ``{'text': ...}``)."""
+    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(),
+                                     {'Content-Type': 'application/json', **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            status, text = answer.status, answer.read()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, {'text': text.decode(errors='replace')}
 
 
 def posted(base: str, path: str, body: dict) -> socket.socket:

@@ -197,24 +197,9 @@ def test_hostile_requests(server):
     assert traffic.health(base) == 200
 
 
-def _post(base: str, path: str, body: dict, timeout: float = 300, headers: dict | None = None) -> tuple[int, dict]:
-    """POST ``body`` as JSON to ``path``: the HTTP status and the answer (its JSON, else ``{'text': ...}``)."""
-    request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(),
-                                     {'Content-Type': 'application/json', **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            status, text = answer.status, answer.read()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, {'text': text.decode(errors='replace')}
-
-
 def _abort(base: str, **body) -> int:
     """``/abort_request`` with ``body``: its HTTP status."""
-    return _post(base, '/abort_request', body, timeout=30)[0]
+    return traffic.post(base, '/abort_request', body, timeout=30)[0]
 
 
 def test_an_abort_reaches_a_request_in_its_entry_check(server):
@@ -382,22 +367,22 @@ def test_a_session_id_in_use_is_refused_with_a_conflict(server):
                 '/v1/completions': {'model': model, 'prompt': 'A person:', 'max_tokens': 8, 'session_id': session_id},
                 '/generate': {'prompt': 'A person:', 'max_tokens': 8, 'session_id': session_id}}
     for path, body in requests.items():
-        status, answer = _post(base, path, body)
+        status, answer = traffic.post(base, path, body)
         assert status == 409, (path, status, answer)
         assert f'session_id {session_id} is in use' in json.dumps(answer), (path, answer)
     finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
     assert finish[-1] == 'length'
-    status, answer = _post(base, '/v1/chat/completions', requests['/v1/chat/completions'] | {'max_tokens': 96})
+    status, answer = traffic.post(base, '/v1/chat/completions', requests['/v1/chat/completions'] | {'max_tokens': 96})
     assert status == 200 and answer['choices'][0]['finish_reason'] == 'stop', answer
     check_valid(answer['choices'][0]['message']['content'], response_format('json_schema'))
     # two prompt lists side by side (the first still running when the second arrives), and a request of session 1
     lists = concurrent.futures.ThreadPoolExecutor(2)
-    first = lists.submit(_post, base, '/v1/completions', {'model': model, 'prompt': ['One:', 'Two:'],
+    first = lists.submit(traffic.post, base, '/v1/completions', {'model': model, 'prompt': ['One:', 'Two:'],
                                                           'max_tokens': 100, 'ignore_eos': True})
     time.sleep(1)
-    second = lists.submit(_post, base, '/v1/completions', {'model': model, 'prompt': ['Three:', 'Four:'],
+    second = lists.submit(traffic.post, base, '/v1/completions', {'model': model, 'prompt': ['Three:', 'Four:'],
                                                            'max_tokens': 8})
-    own = _post(base, '/v1/completions', {'model': model, 'prompt': 'Five:', 'max_tokens': 8, 'session_id': 1})
+    own = traffic.post(base, '/v1/completions', {'model': model, 'prompt': 'Five:', 'max_tokens': 8, 'session_id': 1})
     for status, answer in (first.result(), second.result(), own):
         assert status == 200, (status, answer)
     assert [len(first.result()[1]['choices']), len(second.result()[1]['choices'])] == [2, 2]
@@ -477,30 +462,30 @@ def test_prompts_at_the_edges(server):
     "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
     proc, base, log = server
     model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
-    status, answer = _post(base, '/v1/completions', {'model': model, 'prompt': '', 'max_tokens': 4,
+    status, answer = traffic.post(base, '/v1/completions', {'model': model, 'prompt': '', 'max_tokens': 4,
                                                      'ignore_eos': True})
     assert status == 200 and answer['choices'][0]['finish_reason'] == 'length', (status, answer)
-    status, answer = _post(base, '/generate', {'prompt': '', 'max_tokens': 4})
+    status, answer = traffic.post(base, '/generate', {'prompt': '', 'max_tokens': 4})
     assert status == 400 and 'empty' in json.dumps(answer), (status, answer)
-    status, answer = _post(base, '/v1/chat/completions', {'model': model, 'messages': [], 'max_tokens': 4})
+    status, answer = traffic.post(base, '/v1/chat/completions', {'model': model, 'messages': [], 'max_tokens': 4})
     assert status < 500, (status, answer)
     # sampling fields sent as null take their defaults (0.14.0 compared them: HTTP 500), and a prompt of token ids
     # is refused on /v1/completions (0.14.0: HTTP 500 "unsupported prompt type")
     nulls = {'temperature': None, 'top_p': None, 'top_k': None, 'n': None, 'max_tokens': 4}
     for path, body in (('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': 'Hi'}]}),
                        ('/v1/completions', {'model': model, 'prompt': 'Hi'})):
-        status, answer = _post(base, path, {**body, **nulls})
+        status, answer = traffic.post(base, path, {**body, **nulls})
         assert status == 200, (path, status, answer)
     # (0.14.0's /generate declares them not nullable: HTTP 422)
-    status, answer = _post(base, '/generate', {'prompt': 'Hi', **nulls})
+    status, answer = traffic.post(base, '/generate', {'prompt': 'Hi', **nulls})
     assert status in (200, 422), (status, answer)
     # (0.18.0 answered "Request preprocessing failed." and logged a traceback)
-    status, answer = _post(base, '/v1/completions', {'model': model, 'prompt': [1, 2, 3], 'max_tokens': 4})
+    status, answer = traffic.post(base, '/v1/completions', {'model': model, 'prompt': [1, 2, 3], 'max_tokens': 4})
     assert status == 400 and 'token ids' in json.dumps(answer), (status, answer)
     long = 'word ' * 5000
     for path, body in (('/v1/completions', {'model': model, 'prompt': long}),
                        ('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': long}]})):
-        status, answer = _post(base, path, {**body, 'max_tokens': 4})
+        status, answer = traffic.post(base, path, {**body, 'max_tokens': 4})
         text = json.dumps(answer)
         assert 'context length' in text and 'internal error' not in text, (path, status, answer)
         assert status == 400, (path, status, answer)
@@ -533,9 +518,9 @@ def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
     }
     anthropic = {'anthropic-version': '2023-06-01'}
     for path, body in bodies.items():
-        status, answer = _post(base, path, body, headers=anthropic)
+        status, answer = traffic.post(base, path, body, headers=anthropic)
         assert status == 400 and reason in json.dumps(answer), (path, status, answer)
-        status, answer = _post(base, path, {**body, 'stream': True}, headers=anthropic)
+        status, answer = traffic.post(base, path, {**body, 'stream': True}, headers=anthropic)
         text = answer.get('text', '')
         assert status == 200, (path, status, text[:600])
         events = [json.loads(line[len('data: '):]) for line in text.splitlines()

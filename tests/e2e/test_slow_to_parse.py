@@ -124,3 +124,65 @@ def test_requests_slow_to_parse_hold_up_no_other_request(cpu_path, tmp_path):
         assert traffic.health(base) == 200
     finally:
         stop_server(proc)
+
+
+def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cpu_path, tmp_path):
+    """While as many grammars that look slow to parse wait as the server queues (1 here), one more is refused at
+    once with HTTP 429 on every endpoint, streamed or not, in the body of its protocol (OpenAI's ``error``;
+    Anthropic's ``rate_limit_error``): the server is busy, and the same request is served once the queue has room.
+    lmdeploy 0.18.0's Responses and Anthropic APIs answered HTTP 400 (a client does not send a 400 again), and
+    0.14.0's Anthropic API answered 429 with OpenAI's body."""
+    from lmdeploy_guided_spec.testing import environ
+    log = tmp_path / 'server.log'
+    with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '60', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '1'}):
+        proc, base = start_server([], log)
+    try:
+        model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
+        messages = [{'role': 'user', 'content': 'A word, please.'}]
+
+        def slow(count: int) -> dict:
+            return {'type': 'string', 'pattern': f'^[a-z]{{1,{count}}}$'}
+
+        def bodies(schema: dict) -> dict:
+            fmt = {'type': 'json_schema', 'json_schema': {'name': 'word', 'schema': schema}}
+            return {
+                '/v1/chat/completions': {'model': model, 'messages': messages, 'response_format': fmt,
+                                         'max_tokens': 4},
+                '/v1/completions': {'model': model, 'prompt': 'A word:', 'response_format': fmt, 'max_tokens': 4},
+                '/generate': {'prompt': 'A word:', 'response_format': fmt, 'max_tokens': 4},
+                '/v1/responses': {'model': model, 'input': 'A word.', 'max_output_tokens': 4,
+                                  'text': {'format': {'type': 'json_schema', 'name': 'word', 'schema': schema}}},
+                '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': 4,
+                                 'output_format': {'type': 'json_schema', 'schema': schema}},
+            }
+
+        anthropic = {'anthropic-version': '2023-06-01'}
+        # one slow check holds the queue (its client reads nothing): minutes of parsing, past the limit of 60 s
+        held = traffic.posted(base, '/v1/chat/completions', bodies(slow(40_000))['/v1/chat/completions'])
+        time.sleep(2)
+        refused = []
+        for stream in (False, True):
+            for path, body in bodies(slow(3_000 + stream)).items():
+                start = time.perf_counter()
+                status, answer = traffic.post(base, path, {**body, 'stream': stream}, timeout=30, headers=anthropic)
+                seconds = time.perf_counter() - start
+                refused.append((path, stream, status, seconds))
+                assert status == 429 and seconds < 5, (path, stream, status, seconds, answer)
+                if path == '/v1/messages':
+                    assert answer['type'] == 'error' and answer['error']['type'] == 'rate_limit_error', answer
+                    assert 'wait already' in answer['error']['message'], answer
+                else:
+                    assert 'wait already' in answer['error']['message'], (path, answer)
+        print(f'\n[slow to parse] refused at once while the queue is full: {refused}')
+        held.close()  # its check stops with its client: the queue has room again
+        deadline = time.monotonic() + 30
+        while True:
+            status, answer = traffic.post(base, '/v1/responses', bodies(slow(3_000))['/v1/responses'],
+                                          headers=anthropic)
+            if status != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert status == 200 and answer['status'] == 'completed', (status, answer)
+        assert proc.poll() is None and traffic.health(base) == 200
+    finally:
+        stop_server(proc)
