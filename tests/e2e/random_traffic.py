@@ -118,9 +118,14 @@ Check = str | None
 def fresh_schema(rng: random.Random) -> dict:
     """A schema the server has most likely not compiled yet (a random property name and string bound): its grammar
     compiles while other requests decode, in the engine and, with ``--tp``, in every rank process; a bounded string
-    takes xgrammar seconds to compile."""
+    takes xgrammar seconds to compile. One in four bounds its string by a pattern that looks slow to parse (a
+    counted repetition past 2,000, parsed in about a second): it queues among such grammars, and where as many wait
+    already (``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``) it is refused with HTTP 429, by the server's checker or the
+    engine's compile service."""
     name = f'note_{rng.randrange(10**6)}'
-    return {'type': 'object', 'properties': {name: {'type': 'string', 'maxLength': rng.randint(1, 60)},
+    text = ({'type': 'string', 'pattern': f'^[a-z ]{{1,{rng.randint(2001, 2400)}}}$'} if rng.random() < 0.25
+            else {'type': 'string', 'maxLength': rng.randint(1, 60)})
+    return {'type': 'object', 'properties': {name: text,
                                              'n': {'type': 'integer', 'minimum': 0, 'maximum': rng.randint(1, 999)}},
             'required': [name, 'n'], 'additionalProperties': False}
 
@@ -575,7 +580,11 @@ async def send(client: aiohttp.ClientSession, base: str, endpoint: str, body: di
             if r.status >= 500:
                 return Outcome(key, f'HTTP {r.status}: {(await r.text())[:300]}', body)
             if r.status != 200:
-                return Outcome(key, body=body, refusal=_message(await r.text()))
+                text = await r.text()
+                if 'wait already' in text and r.status != 429:
+                    # the server is busy, not the request wrong: a client sends a 429 again, not a 400
+                    return Outcome(key, f'a busy grammar compiler answered HTTP {r.status}: {text[:300]}', body)
+                return Outcome(key, body=body, refusal=_message(text))
             if body.get('stream'):
                 chunks, done, events = 0, False, []
                 async for line in r.content:
