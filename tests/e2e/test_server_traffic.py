@@ -456,7 +456,7 @@ def test_a_streamed_list_of_prompts_names_each_choice(server):
 def test_prompts_at_the_edges(server):
     """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
     server error, null sampling fields are their defaults, a token-id prompt on /v1/completions is HTTP 400 saying
-    what to send, and a
+    what to send, a message of a role the chat template does not know is HTTP 400 naming it, and a
     prompt longer than the context is refused as such: HTTP 400 saying it exceeds the context length. On 0.14.0 the
     empty prompt was HTTP 500 (``len(None)``) and the long one HTTP 200 with ``finish_reason`` 'error' and the text
     "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
@@ -482,6 +482,13 @@ def test_prompts_at_the_edges(server):
     # (0.18.0 answered "Request preprocessing failed." and logged a traceback)
     status, answer = traffic.post(base, '/v1/completions', {'model': model, 'prompt': [1, 2, 3], 'max_tokens': 4})
     assert status == 400 and 'token ids' in json.dumps(answer), (status, answer)
+    # a message of a role the chat template does not know is the request's problem, and the answer names the role
+    # (0.18.0: "Request preprocessing failed."; 0.14.0: "in prompt processing error"; both logged a KeyError)
+    odd = {'model': model, 'messages': [{'role': 'narrator', 'content': 'Once'}], 'max_tokens': 4}
+    status, answer = traffic.post(base, '/v1/chat/completions', odd)
+    assert status == 400 and "'narrator'" in answer['error']['message'], (status, answer)
+    status, answer = traffic.post(base, '/v1/chat/completions', {**odd, 'stream': True})
+    assert "'narrator'" in json.dumps(answer) and 'processing' not in json.dumps(answer), (status, answer)
     long = 'word ' * 5000
     for path, body in (('/v1/completions', {'model': model, 'prompt': long}),
                        ('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': long}]})):
