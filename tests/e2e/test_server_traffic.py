@@ -504,9 +504,9 @@ def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
     it, not the server's entry check), is an error with the engine's reason on every endpoint, never an answer whose
     text is the reason: HTTP 400 without a stream; a stream ends with its error event (chat, completions and
     /generate: ``data: {"error": ...}``, then ``[DONE]``; the Responses API: ``response.failed`` whose error is the
-    reason, with no output text; Anthropic's: ``event: error``). lmdeploy 0.14.0 answered each with HTTP 200,
-    ``finish_reason`` 'error' (the Responses API: status failed, "Response generation failed.") and the reason as
-    the text, streamed or not."""
+    reason, with no output text and no message, where both releases opened an empty one; Anthropic's: ``event:
+    error``). lmdeploy 0.14.0 answered each with HTTP 200, ``finish_reason`` 'error' (the Responses API: status
+    failed, "Response generation failed.") and the reason as the text, streamed or not."""
     proc, base, log = server
     model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
     reason = 'ms per token to match'
@@ -537,6 +537,9 @@ def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
             failed = [e for e in events if e.get('type') == 'response.failed']
             assert failed and reason in failed[-1]['response']['error']['message'], (path, text[:1500])
             assert not failed[-1]['response'].get('output_text'), failed[-1]
+            # no output before the failure: no message either (0.14.0 opened an empty one)
+            assert failed[-1]['response']['output'] == [], failed[-1]
+            assert not any(e.get('type', '').startswith('response.output_item') for e in events), text[:1500]
             assert not any(e.get('type') == 'response.output_text.delta' and reason in e.get('delta', '')
                            for e in events), text[:1500]
         elif path == '/v1/messages':

@@ -640,7 +640,7 @@ def test_copies_of_one_slow_source_wait_up_to_a_bound(monkeypatch):
         same = [checker.check('json_schema', _slow(40_000)) for _ in range(4)]
         assert len({id(future) for future in same}) == 1
         start = time.perf_counter()
-        with pytest.raises(GrammarCompileBusy, match='4 requests wait'):
+        with pytest.raises(GrammarCompileBusy, match='4 requests for such grammars wait already'):
             checker.check('json_schema', _slow(40_000)).result(timeout=1)
         with pytest.raises(GrammarCompileBusy):
             checker.check('json_schema', _slow(40_001)).result(timeout=1)
