@@ -209,6 +209,28 @@ def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
 
 
+#: The header Anthropic's Messages API requires (the other endpoints ignore it).
+ANTHROPIC_HEADERS = {'anthropic-version': '2023-06-01'}
+
+
+def guided_bodies(model: str, schema: dict, name: str, prompt: str, max_tokens: int) -> dict:
+    """One request per endpoint whose output the JSON ``schema`` constrains, each in its endpoint's own field: chat
+    and completions (``response_format``), ``/generate``, the Responses API (``text.format``) and Anthropic's
+    Messages API (``output_format``); ``{path: body}``, to post with :data:`ANTHROPIC_HEADERS`."""
+    fmt = {'type': 'json_schema', 'json_schema': {'name': name, 'schema': schema}}
+    messages = [{'role': 'user', 'content': prompt}]
+    return {
+        '/v1/chat/completions': {'model': model, 'messages': messages, 'response_format': fmt,
+                                 'max_tokens': max_tokens},
+        '/v1/completions': {'model': model, 'prompt': prompt, 'response_format': fmt, 'max_tokens': max_tokens},
+        '/generate': {'prompt': prompt, 'response_format': fmt, 'max_tokens': max_tokens},
+        '/v1/responses': {'model': model, 'input': prompt, 'max_output_tokens': max_tokens,
+                          'text': {'format': {'type': 'json_schema', 'name': name, 'schema': schema}}},
+        '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': max_tokens,
+                         'output_format': {'type': 'json_schema', 'schema': schema}},
+    }
+
+
 def post(base: str, path: str, body: dict, timeout: float = 300, headers: dict | None = None) -> tuple[int, dict]:
     """POST ``body`` as JSON to ``path``: the HTTP status and the answer (its JSON, else ``{'text': ...}``)."""
     request = urllib.request.Request(f'{base}{path}', json.dumps(body).encode(),

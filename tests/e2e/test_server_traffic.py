@@ -512,22 +512,11 @@ def test_a_request_the_engine_fails_is_an_error_on_every_endpoint(server):
     reason = 'ms per token to match'
     slow = '([a-z]+ ?){1,300}'
     schema = {'type': 'object', 'properties': {'words': {'type': 'string', 'pattern': slow}}, 'required': ['words']}
-    fmt = {'type': 'json_schema', 'json_schema': {'name': 'words', 'schema': schema}}
-    messages = [{'role': 'user', 'content': 'Some words.'}]
-    bodies = {
-        '/v1/chat/completions': {'model': model, 'messages': messages, 'response_format': fmt, 'max_tokens': 8},
-        '/v1/completions': {'model': model, 'prompt': 'Some words:', 'response_format': fmt, 'max_tokens': 8},
-        '/generate': {'prompt': 'Some words:', 'response_format': fmt, 'max_tokens': 8},
-        '/v1/responses': {'model': model, 'input': 'Some words.', 'max_output_tokens': 8,
-                          'text': {'format': {'type': 'json_schema', 'name': 'words', 'schema': schema}}},
-        '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': 8,
-                         'output_format': {'type': 'json_schema', 'schema': schema}},
-    }
-    anthropic = {'anthropic-version': '2023-06-01'}
+    bodies = traffic.guided_bodies(model, schema, 'words', 'Some words.', max_tokens=8)
     for path, body in bodies.items():
-        status, answer = traffic.post(base, path, body, headers=anthropic)
+        status, answer = traffic.post(base, path, body, headers=traffic.ANTHROPIC_HEADERS)
         assert status == 400 and reason in json.dumps(answer), (path, status, answer)
-        status, answer = traffic.post(base, path, {**body, 'stream': True}, headers=anthropic)
+        status, answer = traffic.post(base, path, {**body, 'stream': True}, headers=traffic.ANTHROPIC_HEADERS)
         text = answer.get('text', '')
         assert status == 200, (path, status, text[:600])
         events = [json.loads(line[len('data: '):]) for line in text.splitlines()

@@ -138,25 +138,13 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
         proc, base = start_server([], log)
     try:
         model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
-        messages = [{'role': 'user', 'content': 'A word, please.'}]
 
         def slow(count: int) -> dict:
             return {'type': 'string', 'pattern': f'^[a-z]{{1,{count}}}$'}
 
         def bodies(schema: dict) -> dict:
-            fmt = {'type': 'json_schema', 'json_schema': {'name': 'word', 'schema': schema}}
-            return {
-                '/v1/chat/completions': {'model': model, 'messages': messages, 'response_format': fmt,
-                                         'max_tokens': 4},
-                '/v1/completions': {'model': model, 'prompt': 'A word:', 'response_format': fmt, 'max_tokens': 4},
-                '/generate': {'prompt': 'A word:', 'response_format': fmt, 'max_tokens': 4},
-                '/v1/responses': {'model': model, 'input': 'A word.', 'max_output_tokens': 4,
-                                  'text': {'format': {'type': 'json_schema', 'name': 'word', 'schema': schema}}},
-                '/v1/messages': {'model': model, 'messages': messages, 'max_tokens': 4,
-                                 'output_format': {'type': 'json_schema', 'schema': schema}},
-            }
+            return traffic.guided_bodies(model, schema, 'word', 'A word, please.', max_tokens=4)
 
-        anthropic = {'anthropic-version': '2023-06-01'}
         # one slow check holds the queue (its client reads nothing): minutes of parsing, past the limit of 60 s
         held = traffic.posted(base, '/v1/chat/completions', bodies(slow(40_000))['/v1/chat/completions'])
         time.sleep(2)
@@ -164,7 +152,8 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
         for stream in (False, True):
             for path, body in bodies(slow(3_000 + stream)).items():
                 start = time.perf_counter()
-                status, answer = traffic.post(base, path, {**body, 'stream': stream}, timeout=30, headers=anthropic)
+                status, answer = traffic.post(base, path, {**body, 'stream': stream}, timeout=30,
+                                              headers=traffic.ANTHROPIC_HEADERS)
                 seconds = time.perf_counter() - start
                 refused.append((path, stream, status, seconds))
                 assert status == 429 and seconds < 5, (path, stream, status, seconds, answer)
@@ -177,8 +166,7 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
         held.close()  # its check stops with its client: the queue has room again
         deadline = time.monotonic() + 30
         while True:
-            status, answer = traffic.post(base, '/v1/responses', bodies(slow(3_000))['/v1/responses'],
-                                          headers=anthropic)
+            status, answer = traffic.post(base, '/v1/responses', bodies(slow(3_000))['/v1/responses'])
             if status != 429 or time.monotonic() > deadline:
                 break
             time.sleep(1)
