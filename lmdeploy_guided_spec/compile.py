@@ -659,7 +659,8 @@ class GrammarCompileService:
     slow_queued : int, optional
         Most jobs that look slow to parse (:func:`conversion_cost`) waiting at once; one more is refused at once with
         :class:`GrammarCompileBusy`. Defaults to the environment variable ``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``,
-        else 16.
+        else 16; ``inf`` refuses none (a service that compiles what another one admitted: a rank's, beside its
+        engine's).
     cache_limit_bytes : int
         Bound of the cache of compiled grammars, by ``CompiledGrammar.memory_size_bytes``; least recently used
         grammars go first. A grammar bigger than the bound fails its compile with :class:`GrammarCompileError`
@@ -693,7 +694,7 @@ class GrammarCompileService:
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | str | None, *, timeout_s: float | None = None,
                  cache_limit_bytes: int = 256 << 20, max_threads: int = 2, max_workers: int = 2,
                  transfer_limit_bytes: int = 1 << 20, mask_limit_ms: float | None = None,
-                 matcher_limit_mb: float | None = None, slow_queued: int | None = None, fork: bool = True):
+                 matcher_limit_mb: float | None = None, slow_queued: float | None = None, fork: bool = True):
         if tokenizer_info is None:
             self._info = self._info_json = None
         elif isinstance(tokenizer_info, str):
@@ -717,9 +718,12 @@ class GrammarCompileService:
         if max_workers < 1 or max_threads < 1:
             raise ValueError(f'max_workers and max_threads must be >= 1, got {max_workers} and {max_threads}')
         self.cache_limit_bytes = cache_limit_bytes
-        self.slow_queued = int(slow_queued) if slow_queued is not None else slow_queued_from_env()
-        if self.slow_queued < 1:
+        if slow_queued is not None and not slow_queued >= 1:
             raise ValueError(f'slow_queued must be >= 1, got {slow_queued!r}')
+        if slow_queued is None:
+            self.slow_queued = slow_queued_from_env()
+        else:
+            self.slow_queued = slow_queued if slow_queued == float('inf') else int(slow_queued)
         self.max_threads = max_threads
         self.transfer_limit_bytes = transfer_limit_bytes
         self.fork = fork

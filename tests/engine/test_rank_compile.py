@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from lmdeploy_guided_spec.compile import COMPILE_CACHE_ENV, COMPILE_TIMEOUT_ENV
+from lmdeploy_guided_spec.compile import COMPILE_CACHE_ENV, COMPILE_TIMEOUT_ENV, SLOW_QUEUED_ENV
 from lmdeploy_guided_spec.testing import load_tokenizer, tokenizer_info
 
 pytestmark = pytest.mark.engine
@@ -51,6 +51,27 @@ def test_a_rank_compiles_ahead_and_its_step_builds_the_matcher_from_that_compile
         processors = manager.get_processors([{'session_id': 1, 'seq_id': 1}], (FMT, ))
         assert processors[0].accept_string('{"note": "hi"}')
         assert not processors[0].accept_string(', "more": 1')
+    finally:
+        manager.close_compile_service()
+
+
+def test_a_rank_compiles_ahead_every_grammar_the_engine_took_however_many_look_slow(monkeypatch):
+    """The engine bounds the grammars that look slow to parse waiting in its compile service
+    (``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED``) and refuses one more with HTTP 429. A rank is sent only what the engine
+    took, and it may be slower than the engine (its step holds its cores): a rank's service that refused one as
+    busy left that grammar to be compiled inside the rank's step, while every request of the group waited."""
+    monkeypatch.setenv(SLOW_QUEUED_ENV, '1')
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '60')
+    fmts = [{'type': 'json_schema', 'json_schema': {'name': f'slow{count}', 'schema': {
+        'type': 'string', 'pattern': f'^[a-z]{{1,{count}}}$'}}} for count in range(2_000, 2_005)]
+    manager = _manager()
+    try:
+        for fmt in fmts:  # one compiles (the other process is kept for grammars that look fast), four wait
+            manager.precompile(fmt)
+        manager.compiler = None  # a compile inside the step would fail here
+        for session_id, fmt in enumerate(fmts):
+            processors = manager.get_processors([{'session_id': session_id, 'seq_id': 1}], (fmt, ))
+            assert processors[0].accept_string('"ab"'), fmt
     finally:
         manager.close_compile_service()
 

@@ -631,6 +631,22 @@ def test_sources_that_look_slow_queue_up_to_a_bound(monkeypatch):
         assert checker.check('json_schema', _slow(2_100), timeout_s=30).result(timeout=60) is False
 
 
+def test_a_service_without_a_bound_on_slow_sources_refuses_none(monkeypatch):
+    """``slow_queued=inf`` (a service that compiles what another one admitted, a rank's beside its engine's) queues
+    every source that looks slow, whatever ``LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED`` says; a bound below one is refused."""
+    monkeypatch.setenv('LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED', '1')
+    with GrammarCompileService(None, timeout_s=2, max_workers=1, slow_queued=float('inf')) as checker:
+        futures = [checker.check('json_schema', _slow(40_000)) for _ in range(3)]
+        futures += [checker.check('json_schema', _slow(40_001 + i)) for i in range(3)]
+        for future in futures:
+            with pytest.raises(GrammarCompileTimeout) as timed_out:
+                future.result(timeout=60)
+            assert not isinstance(timed_out.value, GrammarCompileBusy)
+    for bound in (0, -1, float('nan')):
+        with pytest.raises(ValueError, match='slow_queued'):
+            GrammarCompileService(None, slow_queued=bound)
+
+
 def test_copies_of_one_slow_source_wait_up_to_a_bound(monkeypatch):
     """Copies of one source that looks slow are one job, but each caller holds a waiting thread (a server's entry
     check): they could take every thread of its entry checks. Callers of slow jobs are bounded by twice
