@@ -128,6 +128,46 @@ def test_the_rank_call_never_raises_and_a_rank_without_grammar_state_compiles_no
     assert sent == [FMT, FMT, FMT]
 
 
+def test_a_rank_that_builds_matchers_starts_its_compile_service_with_the_rank():
+    """A rank's compile service started with the first grammar: its processes took seconds to start, and the step
+    waited for them (the first guided request paused the group's streams for longer than a compile). Now ``warmup``
+    starts it on a rank that builds matchers, on no other, and a failure there is a warning, not a dead rank."""
+    started = []
+    manager = types.SimpleNamespace(start_precompile_service=lambda: started.append(True))
+    agent = types.SimpleNamespace(warmup=lambda: None, guided_decoding_manager=manager, spec_agent=None,
+                                  need_output=False)
+    worker = _worker(manager, need_output=False)
+    worker.model_agent = agent
+    worker.warmup()
+    assert started == []
+    agent.need_output = True
+    worker.warmup()
+    assert started == [True]
+
+    def fails():
+        raise RuntimeError('no process could start')
+
+    manager.start_precompile_service = fails
+    records = _Records()
+    logger = logging.getLogger('lmdeploy')
+    logger.addHandler(records)
+    try:
+        worker.warmup()
+    finally:
+        logger.removeHandler(records)
+    assert any('no process could start' in m for m in records.messages), records.messages
+    # the real manager: the service of a rank's precompiles, started once
+    real = _manager()
+    try:
+        real.start_precompile_service()
+        service = real.compile_service
+        assert service is not None and service.slow_queued == float('inf') and real.compiles_ahead
+        real.precompile(FMT)
+        assert real.compile_service is service
+    finally:
+        real.close_compile_service()
+
+
 @pytest.mark.parametrize('executor', ['mp', 'ray'])
 def test_the_engine_sends_the_grammar_to_its_ranks_without_waiting_for_an_answer(executor):
     """The mp executor's first rank answers the model's outputs on the same channel: the call asks no answer there
