@@ -110,3 +110,40 @@ def test_free_drafts_verified_under_the_grammar_equal_non_speculative(engines, m
     for (fmt, _), out in zip(chunk, outputs[len(chunk):]):
         assert out.finish_reason == 'stop', (fmt, out)
         check_valid(out.text, fmt)
+
+
+PREAMBLE = 'You are a careful assistant that writes data records for a test suite. ' * 12
+
+
+@pytest.mark.one_method({'0.18': ['eagle3'], '0.14': ['deepseek_mtp']})
+@pytest.mark.parametrize('method', list(METHODS))
+def test_prefix_caching_keeps_guided_speculative_output(engines, method):
+    """``enable_prefix_caching`` (``--enable-prefix-caching``, common in deployments): requests whose prompts share
+    a preamble reuse its KV blocks, in a batch and in the requests that follow. Greedy guided speculative decoding
+    still writes what guided decoding without speculation and without the cache writes, token for token, and a
+    sampled request that hits the cache follows its grammar. lmdeploy 0.14.0 turns prefix caching off under
+    speculative decoding ("Speculative decoding prefix caching is not supported."): nothing is cached there, and the
+    output is the same."""
+    import lmdeploy
+    caches = lmdeploy.__version__ != '0.14.0'
+    spec = engines(METHODS[method], enable_prefix_caching=True)
+    ref = engines(METHODS[method], spec=False)
+    chunk = PAIRS[:12]
+    prompts = [PREAMBLE + prompt for _, prompt in chunk]
+    configs = [gen_config(fmt, max_new_tokens=96) for fmt, _ in chunk]
+    expected = generate(ref, prompts, configs)
+    cached = []
+    for _ in range(2):  # the second round finds every prompt's preamble cached
+        responses = spec(prompts, gen_config=configs)
+        cached += [r.cached_tokens for r in responses]
+        for (fmt, prompt), out, exp in zip(chunk, responses, expected):
+            assert list(out.token_ids) == exp.token_ids, (fmt, prompt, out.text, exp.text)
+            check_valid(out.text, fmt)
+    if caches:
+        assert sum(cached) >= len(chunk) * 64, f'few prompts found their preamble cached: {cached}'
+    else:
+        assert not any(cached), cached
+    for i, (fmt, _) in enumerate(chunk[:4]):
+        sampled = spec([prompts[i]], gen_config=[gen_config(fmt, sampling=True, seed=300 + i, max_new_tokens=96)])[0]
+        assert (sampled.cached_tokens > 0) == caches and sampled.finish_reason == 'stop', sampled
+        check_valid(sampled.text, fmt)
