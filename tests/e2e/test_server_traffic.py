@@ -389,6 +389,38 @@ def test_a_session_id_in_use_is_refused_with_a_conflict(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+def test_a_refused_request_leaves_its_session_id_free(server):
+    """A request refused with an error, each way a request can be refused (its body, its prompt, its grammar, the
+    engine), leaves its ``session_id``: the next request of that id is served. On 0.14.0 the chat endpoint kept the
+    session of a request its response parser or ``logit_bias`` refused, and every later request of the id was HTTP
+    409 "in use" (and without an id, each such request left a session behind)."""
+    proc, base, log = server
+    model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
+    call = {'id': 'call_1', 'type': 'function', 'function': {'name': 'lookup', 'arguments': '{"city": '}}
+    chat = {'model': model, 'max_tokens': 4}
+    refusals = [
+        ('/v1/chat/completions', chat | {'messages': [
+            {'role': 'user', 'content': 'Weather?'}, {'role': 'assistant', 'content': None, 'tool_calls': [call]},
+            {'role': 'tool', 'tool_call_id': 'call_1', 'content': 'sunny'}]}),
+        ('/v1/chat/completions', chat | {'messages': [{'role': 'user', 'content': 'Hi'}],
+                                         'logit_bias': {'not a token id': 5}}),
+        ('/v1/chat/completions', chat | {'messages': [{'role': 'narrator', 'content': 'Once'}]}),
+        ('/v1/chat/completions', chat | {'messages': [{'role': 'user', 'content': 'Hi'}],
+                                         'response_format': {'type': 'regex_schema', 'regex_schema': '[a-'}}),
+        ('/v1/completions', {'model': model, 'prompt': 'word ' * 5000, 'max_tokens': 4}),
+        ('/generate', {'prompt': '', 'max_tokens': 4}),
+    ]
+    for i, (path, body) in enumerate(refusals):
+        session_id = 5100 + i
+        status, answer = traffic.post(base, path, body | {'session_id': session_id})
+        assert 400 <= status < 500, (path, body, status, answer)
+        status, answer = traffic.post(base, '/v1/chat/completions', {
+            'model': model, 'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 4,
+            'session_id': session_id})
+        assert status == 200, (path, body, status, answer)
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
 def test_completions_serve_logprobs(server):
     """/v1/completions with ``logprobs``: OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs`` and
     ``text_offset`` for every token, streamed or not, guided or not. lmdeploy raised ValueError('logprobs is
@@ -456,8 +488,9 @@ def test_a_streamed_list_of_prompts_names_each_choice(server):
 def test_prompts_at_the_edges(server):
     """An empty prompt is served on /v1/completions, /generate refuses it by name, an empty messages list is not a
     server error, null sampling fields are their defaults, a token-id prompt on /v1/completions is HTTP 400 saying
-    what to send, a message of a role the chat template does not know is HTTP 400 naming it, and a
-    prompt longer than the context is refused as such: HTTP 400 saying it exceeds the context length. On 0.14.0 the
+    what to send, a message of a role the chat template does not know is HTTP 400 naming it, so are tool call
+    arguments that are not JSON, and a prompt longer than the context is refused as such: HTTP 400 saying it exceeds
+    the context length. On 0.14.0 the
     empty prompt was HTTP 500 (``len(None)``) and the long one HTTP 200 with ``finish_reason`` 'error' and the text
     "internal error happened, status code ResponseType.INPUT_LENGTH_ERROR"."""
     proc, base, log = server
@@ -489,6 +522,13 @@ def test_prompts_at_the_edges(server):
     assert status == 400 and "'narrator'" in answer['error']['message'], (status, answer)
     status, answer = traffic.post(base, '/v1/chat/completions', {**odd, 'stream': True})
     assert "'narrator'" in json.dumps(answer) and 'processing' not in json.dumps(answer), (status, answer)
+    # arguments of an earlier tool call that are not JSON: HTTP 400 in OpenAI's error body (0.14.0: {"detail": ...})
+    call = {'id': 'call_1', 'type': 'function', 'function': {'name': 'lookup', 'arguments': '{"city": '}}
+    broken = {'model': model, 'max_tokens': 4, 'messages': [
+        {'role': 'user', 'content': 'Weather?'}, {'role': 'assistant', 'content': None, 'tool_calls': [call]},
+        {'role': 'tool', 'tool_call_id': 'call_1', 'content': 'sunny'}, {'role': 'user', 'content': 'And now?'}]}
+    status, answer = traffic.post(base, '/v1/chat/completions', broken)
+    assert status == 400 and 'invalid JSON' in answer['error']['message'], (status, answer)
     long = 'word ' * 5000
     for path, body in (('/v1/completions', {'model': model, 'prompt': long}),
                        ('/v1/chat/completions', {'model': model, 'messages': [{'role': 'user', 'content': long}]})):
