@@ -389,6 +389,14 @@ def test_a_session_id_in_use_is_refused_with_a_conflict(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+#: A conversation whose earlier tool call has ``arguments`` that are not JSON (the request's fault: HTTP 400)
+UNPARSABLE_CALL = [
+    {'role': 'user', 'content': 'Weather?'},
+    {'role': 'assistant', 'content': None, 'tool_calls': [
+        {'id': 'call_1', 'type': 'function', 'function': {'name': 'lookup', 'arguments': '{"city": '}}]},
+    {'role': 'tool', 'tool_call_id': 'call_1', 'content': 'sunny'}]
+
+
 def test_a_refused_request_leaves_its_session_id_free(server):
     """A request refused with an error, each way a request can be refused (its body, its prompt, its grammar, the
     engine), leaves its ``session_id``: the next request of that id is served. On 0.14.0 the chat endpoint kept the
@@ -396,12 +404,9 @@ def test_a_refused_request_leaves_its_session_id_free(server):
     409 "in use" (and without an id, each such request left a session behind)."""
     proc, base, log = server
     model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
-    call = {'id': 'call_1', 'type': 'function', 'function': {'name': 'lookup', 'arguments': '{"city": '}}
     chat = {'model': model, 'max_tokens': 4}
     refusals = [
-        ('/v1/chat/completions', chat | {'messages': [
-            {'role': 'user', 'content': 'Weather?'}, {'role': 'assistant', 'content': None, 'tool_calls': [call]},
-            {'role': 'tool', 'tool_call_id': 'call_1', 'content': 'sunny'}]}),
+        ('/v1/chat/completions', chat | {'messages': UNPARSABLE_CALL}),
         ('/v1/chat/completions', chat | {'messages': [{'role': 'user', 'content': 'Hi'}],
                                          'logit_bias': {'not a token id': 5}}),
         ('/v1/chat/completions', chat | {'messages': [{'role': 'narrator', 'content': 'Once'}]}),
@@ -523,10 +528,7 @@ def test_prompts_at_the_edges(server):
     status, answer = traffic.post(base, '/v1/chat/completions', {**odd, 'stream': True})
     assert "'narrator'" in json.dumps(answer) and 'processing' not in json.dumps(answer), (status, answer)
     # arguments of an earlier tool call that are not JSON: HTTP 400 in OpenAI's error body (0.14.0: {"detail": ...})
-    call = {'id': 'call_1', 'type': 'function', 'function': {'name': 'lookup', 'arguments': '{"city": '}}
-    broken = {'model': model, 'max_tokens': 4, 'messages': [
-        {'role': 'user', 'content': 'Weather?'}, {'role': 'assistant', 'content': None, 'tool_calls': [call]},
-        {'role': 'tool', 'tool_call_id': 'call_1', 'content': 'sunny'}, {'role': 'user', 'content': 'And now?'}]}
+    broken = {'model': model, 'max_tokens': 4, 'messages': UNPARSABLE_CALL + [{'role': 'user', 'content': 'And now?'}]}
     status, answer = traffic.post(base, '/v1/chat/completions', broken)
     assert status == 400 and 'invalid JSON' in answer['error']['message'], (status, answer)
     long = 'word ' * 5000
