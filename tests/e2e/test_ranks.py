@@ -64,7 +64,7 @@ METHODS = {'eagle3': ('tiny-llama', 'tiny-llama-eagle3'), 'deepseek_mtp': ('tiny
 
 
 def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method: str | None = None,
-              draft: str | None = None, env: dict | None = None, **engine_options):
+              draft: str | None = None, env: dict | None = None, log_level: str = 'ERROR', **engine_options):
     """A pipeline whose engine runs its ranks in processes of lmdeploy's multiprocess executor; ``engine_options``
     are ``PytorchEngineConfig`` fields beyond ``ENGINE_KWARGS``."""
     from lmdeploy import PytorchEngineConfig, pipeline
@@ -79,7 +79,7 @@ def _pipeline(target: str, *, tp: int = 1, dp: int = 1, dp_rank: int = 0, method
                                  **{**ENGINE_KWARGS, **engine_options})
     # the rank processes inherit this process's environment when they start
     with environ(env):
-        return pipeline(models.resolve(target), backend_config=config, speculative_config=spec, log_level='ERROR')
+        return pipeline(models.resolve(target), backend_config=config, speculative_config=spec, log_level=log_level)
 
 
 def _configs():
@@ -146,13 +146,18 @@ SLOW_TO_COMPILE = {'type': 'object', 'properties': {'note': {'type': 'string', '
                    'required': ['note'], 'additionalProperties': False, 'title': 'slow to compile on every rank'}
 
 
-def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path):
+def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path, capfd):
     """tp=2 (no speculative decoding): each rank process compiles a new grammar while the engine compiles it, off
     its step, so a long unguided stream keeps decoding meanwhile and the guided request then decodes under its
     grammar. Before, only the engine compiled it off its loop: each rank compiled it again inside its step once the
     engine had scheduled the request, and the stream paused for about as long as one compile of the grammar. The
     grammar is the engine's first: a rank's compile service started with the first grammar, and the stream paused
-    for the start of its processes as well (4.7 s in a hunt)."""
+    for the start of its processes as well (4.7 s in a hunt).
+
+    What tells is each rank's own account: a rank whose step holds a grammar for more than a second (compiling it, or
+    waiting for its compile) logs it, and no rank may. The stream's longest pause is printed, not asserted: on two
+    cores the three compiles off the step take the CPU from the ranks' steps as well (4.3 s in CI beside the other
+    release's suite, with no step holding the grammar)."""
     import xgrammar as xgr
 
     from lmdeploy_guided_spec.testing import tokenizer_info
@@ -164,7 +169,8 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path):
     alone = time.perf_counter() - start
     start = time.perf_counter()
     # the engine and both ranks compile the grammar at once, and the engine probes its masks: far from the limit
-    pipe = _pipeline('tiny-llama', tp=2, max_batch_size=8, env={COMPILE_TIMEOUT_ENV: '300'})
+    # (its ranks log a grammar that a step held for more than a second)
+    pipe = _pipeline('tiny-llama', tp=2, max_batch_size=8, env={COMPILE_TIMEOUT_ENV: '300'}, log_level='WARNING')
     print(f'\n[tp=2 compile] engine start-up {time.perf_counter() - start:.1f} s; one compile alone {alone:.1f} s')
     try:
         # the first guided request of the engine: the ranks' compile services started with their ranks (they started
@@ -176,13 +182,16 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path):
         assert outputs[0].text.lstrip().startswith('{'), outputs[0].text
         if outputs[0].finish_reason == 'stop':
             check_valid(outputs[0].text, fmt)
-        # the compile is slow enough to tell a stream that waited for it from one that did not
+        # the compile is slow enough that a step which compiled it, or waited for it, held it past the second after
+        # which a rank logs it
         assert alone > 1.5, f'the grammar compiled in {alone:.1f} s: too fast to tell'
-        # (a step that compiled it paused the stream 0.8-0.9 of that; off the step, 0.2 of it alone, up to 0.52 in CI
-        # beside the other release's suite)
-        assert gap < alone * 0.65, f'the stream paused {gap:.1f} s; one compile of the grammar takes {alone:.1f} s'
     finally:
         pipe.close()
+    # the ranks' processes write to this test's output (the mp executor's ranks inherit it)
+    out = capfd.readouterr()
+    print(out.out, end='')  # (kept in the report of a failure)
+    held = [line for line in (out.out + out.err).splitlines() if 'inside the step' in line]
+    assert not held, held
 
 
 def test_tp2_free_drafts_rank_that_does_not_sample_keeps_no_grammar(engines, tmp_path):
