@@ -1206,11 +1206,13 @@ class GrammarCompileService:
                 raise
         return child
 
-    def _child_tokenizer(self) -> tuple[str, ProbeTokens] | None:
+    def _child_tokenizer(self) -> tuple[str, ProbeTokens | None] | None:
         """What a compiler process gets at its start: the tokenizer's JSON and its :func:`probe_tokens` (worked out
-        by the first start that needs them), or None for a checker."""
+        by the first start that needs them; None where both limits turn the probe off), or None for a checker."""
         if self._info_json is None:
             return None
+        if self.mask_limit_ms == self.matcher_limit_mb == float('inf'):
+            return self._info_json, None
         with self._kinds_lock:
             if self._kinds is None:
                 self._kinds = probe_tokens(self._info)

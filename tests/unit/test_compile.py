@@ -1027,6 +1027,23 @@ def test_a_grammar_whose_mask_is_slow_fails_with_the_reason():
         assert svc.submit('regex', SLOW_REGEX).result(timeout=120) is not None
 
 
+def test_a_service_that_probes_nothing_works_out_no_probe_tokens(monkeypatch):
+    """The tokens that steer a probe cost about a second of CPU for a 150k vocabulary: a service whose limits turn
+    the probe off (a rank's, whose engine probed the grammar already) does not work them out, and compiles; one
+    with a limit works them out once, for its first compiler process."""
+    from lmdeploy_guided_spec import compile as compile_module
+    calls = []
+    real = compile_module.probe_tokens
+    monkeypatch.setattr(compile_module, 'probe_tokens', lambda info: calls.append(info) or real(info))
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1, mask_limit_ms=float('inf'),
+                               matcher_limit_mb=float('inf')) as svc:
+        assert svc.submit('json_schema', json.dumps(PERSON)).result(timeout=60) is not None
+    assert calls == []
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1, mask_limit_ms=50) as svc:
+        assert svc.submit('json_schema', json.dumps(PERSON)).result(timeout=60) is not None
+    assert len(calls) == 1
+
+
 def test_the_cost_of_a_grammar():
     compiler = grammar_compiler('llama3')
     cheap = grammar_cost(compiler.compile_json_schema(json.dumps(PERSON)))
