@@ -426,6 +426,27 @@ def test_a_refused_request_leaves_its_session_id_free(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+def test_completions_refuse_several_choices_they_do_not_serve(server):
+    """/v1/completions with ``n`` above 1: lmdeploy served one choice and logged "n(2) > 1 hasn't been supported
+    yet. Fallback to 1", so a client that asked for two choices got one, without a word. It is HTTP 400 with the
+    reason now, streamed or not, and ``n=1`` is served as before."""
+    proc, base, log = server
+    client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    fmt = response_format('json_schema')
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match='one choice per prompt') as refused:
+            answer = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=2, max_tokens=8,
+                                               temperature=0.8, stream=stream, extra_body={'response_format': fmt})
+            if stream:
+                list(answer)
+        assert 'n 2' in str(refused.value), refused.value
+    choices = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=1, max_tokens=4).choices
+    assert sorted(c.index for c in choices) == [0, 1]
+    assert 'Fallback to 1' not in log.read_text(errors='replace')
+    assert proc.poll() is None and traffic.health(base) == 200
+
+
 def test_completions_serve_logprobs(server):
     """/v1/completions with ``logprobs``: OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs`` and
     ``text_offset`` for every token, streamed or not, guided or not. lmdeploy raised ValueError('logprobs is
