@@ -11,6 +11,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from importlib.metadata import version
 
 import openai
 import pytest
@@ -19,6 +20,10 @@ from e2e_helpers import STOP_TEXTS, check_valid, response_format
 KINDS = ('json_schema', 'json_object', 'regex_schema', 'text')
 #: What the engine says of a request whose grammar met a state that allows no token.
 DEAD_END = 'allows no token at all'
+
+#: /v1/chat/completions serves ``n`` above 1: lmdeploy 0.18.0 fans it out into one request per choice; 0.14.0
+#: refuses it (its patch 0089: it answered one choice)
+CHAT_SERVES_N = not version('lmdeploy').startswith('0.14.')
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -126,16 +131,17 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
                 assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
             alive()
     assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
-    # streamed with n=2 (0.18.0 fans it out to one request per choice): a choice that meets the dead end ends the
-    # stream with its error event, as one choice's stream does; the stream was cut instead (an exception in the
-    # server, no error and no [DONE])
+    # streamed with n=2 (0.18.0 fans it out to one request per choice; 0.14.0 serves one choice): a choice that
+    # meets the dead end ends the stream with its error event, as one choice's stream does; the stream was cut
+    # instead (an exception in the server, no error and no [DONE])
     streamed_dead_ends = 0
     for regex in ('a[^\\s\\S]|b', 'b[^\\s\\S]|a'):
         fmt = {'type': 'regex_schema', 'regex_schema': regex}
         texts: dict[int, str] = {}
         try:
             for chunk in api.chat.completions.create(model=model, messages=messages, response_format=fmt,
-                                                     max_tokens=8, temperature=0.0, n=2, stream=True):
+                                                     max_tokens=8, temperature=0.0, n=2 if CHAT_SERVES_N else 1,
+                                                     stream=True):
                 for choice in chunk.choices:
                     texts[choice.index] = texts.get(choice.index, '') + (choice.delta.content or '')
         except openai.APIError as err:

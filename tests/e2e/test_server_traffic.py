@@ -36,6 +36,8 @@ DISCONNECTS = 20
 #: the random traffic the default suite sends (tests/e2e/random_traffic.py runs longer hunts)
 RANDOM_SEED = 7
 RANDOM_REQUESTS = 60
+#: /v1/chat/completions serves ``n`` above 1 (0.18.0 fans it out; 0.14.0 refuses it, its patch 0089)
+CHAT_SERVES_N = traffic.CHAT_SERVES_N
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
@@ -73,6 +75,8 @@ def test_clients_that_disconnect_mid_stream(server):
     check_valid(text, fmt)
 
 
+@pytest.mark.skipif(not CHAT_SERVES_N, reason='lmdeploy 0.14.0 refuses n above 1 on /v1/chat/completions (its '
+                                              'patch 0089): no stream of several choices')
 def test_streams_of_several_choices_whose_client_leaves_end_quietly(server):
     """Streamed chat requests with ``n=2`` (lmdeploy 0.18.0 fans each out into one request per choice) whose client
     leaves after a few chunks: their requests end (none runs on), the server serves on, and the log holds no
@@ -426,14 +430,16 @@ def test_a_refused_request_leaves_its_session_id_free(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
-def test_completions_refuse_several_choices_they_do_not_serve(server):
-    """/v1/completions with ``n`` above 1: lmdeploy served one choice and logged "n(2) > 1 hasn't been supported
-    yet. Fallback to 1", so a client that asked for two choices got one, without a word. It is HTTP 400 with the
-    reason now, streamed or not, and ``n=1`` is served as before."""
+def test_several_choices_are_served_or_refused(server):
+    """``n`` above 1: /v1/completions served one choice and logged "n(2) > 1 hasn't been supported yet. Fallback to
+    1", and 0.14.0's /v1/chat/completions served one choice without a word, so a client that asked for two choices
+    got one. Each is HTTP 400 with the reason now, streamed or not; 0.18.0's chat endpoint serves ``n`` (one request
+    per choice), each choice under its grammar; ``n=1`` is served as before."""
     proc, base, log = server
     client = openai.OpenAI(base_url=f'{base}/v1', api_key='none', timeout=300, max_retries=0)
     model = client.models.list().data[0].id
     fmt = response_format('json_schema')
+    messages = [{'role': 'user', 'content': 'A person, please.'}]
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError, match='one choice per prompt') as refused:
             answer = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=2, max_tokens=8,
@@ -441,8 +447,26 @@ def test_completions_refuse_several_choices_they_do_not_serve(server):
             if stream:
                 list(answer)
         assert 'n 2' in str(refused.value), refused.value
+        if CHAT_SERVES_N:
+            texts: dict[int, str] = {}
+            answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=96,
+                                                    temperature=0.8, stream=stream, response_format=fmt)
+            for chunk in (answer if stream else [answer]):
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, '') + (
+                        choice.delta.content or '' if stream else choice.message.content)
+            assert sorted(texts) == [0, 1], texts
+            for text in texts.values():
+                check_valid(text, fmt)
+        else:
+            with pytest.raises(openai.BadRequestError, match='answers one choice') as refused:
+                answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=8,
+                                                        temperature=0.8, stream=stream, response_format=fmt)
+                if stream:
+                    list(answer)
     choices = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=1, max_tokens=4).choices
     assert sorted(c.index for c in choices) == [0, 1]
+    assert len(client.chat.completions.create(model=model, messages=messages, n=1, max_tokens=4).choices) == 1
     assert 'Fallback to 1' not in log.read_text(errors='replace')
     assert proc.poll() is None and traffic.health(base) == 200
 
