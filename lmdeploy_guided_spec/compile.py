@@ -580,7 +580,7 @@ class _Job:
 class _Child:
     """One compiler process and the parent's end of its socket."""
 
-    def __init__(self, tokenizer: tuple[str, ProbeTokens] | None, max_threads: int, fork: bool = True):
+    def __init__(self, tokenizer: tuple[str, ProbeTokens | None] | None, max_threads: int, fork: bool = True):
         parent_sock, child_sock = socket.socketpair()
         self._tokenizer = tokenizer
         try:

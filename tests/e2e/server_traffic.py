@@ -131,7 +131,7 @@ def dead_ends_and_banned_tokens(base: str, alive: Callable[[], None]) -> int:
                 assert choice.message.content == regex[-1] and choice.finish_reason == 'stop', choice
             alive()
     assert dead_ends >= 2  # greedy meets one; at least one sampled request met one too
-    # streamed with n=2 (0.18.0 fans it out to one request per choice; 0.14.0 serves one choice): a choice that
+    # streamed with n=2 (0.18.0 fans it out to one request per choice; 0.14.0 refuses it: n=1 there): a choice that
     # meets the dead end ends the stream with its error event, as one choice's stream does; the stream was cut
     # instead (an exception in the server, no error and no [DONE])
     streamed_dead_ends = 0

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -190,6 +191,7 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path, capfd)
     # the ranks' processes write to this test's output (the mp executor's ranks inherit it)
     out = capfd.readouterr()
     print(out.out, end='')  # (kept in the report of a failure)
+    sys.stderr.write(out.err)
     held = [line for line in (out.out + out.err).splitlines() if 'inside the step' in line]
     assert not held, held
 

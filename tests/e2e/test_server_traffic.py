@@ -449,15 +449,18 @@ def test_several_choices_are_served_or_refused(server):
         assert 'n 2' in str(refused.value), refused.value
         if CHAT_SERVES_N:
             texts: dict[int, str] = {}
+            reasons: dict[int, str] = {}
             answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=96,
-                                                    temperature=0.8, stream=stream, response_format=fmt)
+                                                    temperature=0.8, seed=11, stream=stream, response_format=fmt)
             for chunk in (answer if stream else [answer]):
                 for choice in chunk.choices:
                     texts[choice.index] = texts.get(choice.index, '') + (
                         choice.delta.content or '' if stream else choice.message.content)
-            assert sorted(texts) == [0, 1], texts
-            for text in texts.values():
-                check_valid(text, fmt)
+                    reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+            assert sorted(texts) == [0, 1] and set(reasons.values()) <= {'stop', 'length'}, (texts, reasons)
+            for index, text in texts.items():
+                if reasons[index] == 'stop':
+                    check_valid(text, fmt)
         else:
             with pytest.raises(openai.BadRequestError, match='answers one choice') as refused:
                 answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=8,
