@@ -38,7 +38,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -187,6 +187,9 @@ _STARTUP_TIMEOUT_S = 120.0
 
 # answers of checks a service keeps (a digest and a bool or an error each)
 _CHECKED_ENTRIES = 4096
+# holders of grammars a service keeps (GrammarCompileService.hold): far more requests than an engine admits at once;
+# a bound only against holds never released
+_HOLDERS = 4096
 # seconds a check stopped at the limit is remembered: the same source sent again is refused without a process
 # spending the limit on it again; a source that was slow only on a loaded machine is checked again after this
 _TIMED_OUT_REMEMBERED_S = 600.0
@@ -732,6 +735,10 @@ class GrammarCompileService:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, tuple[xgr.CompiledGrammar, int]] = collections.OrderedDict()
         self._cache_bytes = 0
+        # grammars that requests admitted but not yet stepped will read (hold): kept in the cache past its bound,
+        # by holder (a session), and how many holders each key has
+        self._holds: collections.OrderedDict[Any, tuple] = collections.OrderedDict()
+        self._held: collections.Counter[tuple] = collections.Counter()
         # answers of checks, by a digest of what was checked (sources can be megabytes): whether the language is
         # empty, why the source does not parse, or a recent timeout
         self._checked: collections.OrderedDict[bytes, bool | GrammarCompileError | _TimedOut] = \
@@ -949,6 +956,44 @@ class GrammarCompileService:
     def _abandoned(self, job: _Job) -> GrammarCompilerUnavailable:
         doing = 'checking' if job.check_timeout_s is not None else 'compiling'
         return GrammarCompilerUnavailable(f'{doing} a {self._describe(job)} was stopped: every caller left')
+
+    def hold(self, holder: Hashable, kind: str, source: str | dict | None = None, **options: Any) -> None:
+        """Keep a grammar in the cache for ``holder`` until :meth:`release`, whatever else is compiled meanwhile.
+
+        An engine admits a request once its grammar is compiled, and builds its matcher with :meth:`lookup` when the
+        request is first stepped; a request that waits for room in the KV cache meanwhile saw its grammar evicted by
+        others, and the step compiled it again while every request of the batch waited (seconds, for a schema near
+        the limit). A held grammar stays, past the cache's bound where it must (what the requests admitted need,
+        as their matchers will); one compiled later is held when it is remembered. One grammar per holder: a new
+        hold replaces the holder's last. At most :data:`_HOLDERS` holders; the oldest is let go past that.
+        """
+        if self._info is None:
+            return
+        kind, source, options = self._normalize(kind, source, options)
+        key = (kind, source, json.dumps(options, sort_keys=True))
+        with self._lock:
+            self._unhold(holder)
+            self._holds[holder] = key
+            self._held[key] += 1
+            while len(self._holds) > _HOLDERS:
+                oldest = next(iter(self._holds))
+                logger.warning('more than %d requests hold a compiled grammar; the oldest hold is let go (its '
+                               'request compiles its grammar again if it was evicted)', _HOLDERS)
+                self._unhold(oldest)
+            self._evict()
+
+    def release(self, holder: Hashable) -> None:
+        """Let go of the grammar ``holder`` held (:meth:`hold`): its request built its matcher, or ended; nothing
+        for a holder that holds none. The cache shrinks back to its bound."""
+        with self._lock:
+            if self._unhold(holder):
+                self._evict()
+
+    @property
+    def holders(self) -> int:
+        """Number of holders of grammars (:meth:`hold`)."""
+        with self._lock:
+            return len(self._holds)
 
     def compile(self, kind: str, source: str | dict | None = None, **options: Any) -> xgr.CompiledGrammar:
         """Blocking :meth:`submit`: wait for the grammar (for tools and tests, never for an engine loop)."""
@@ -1372,9 +1417,28 @@ class GrammarCompileService:
             return
         self._cache[key] = (grammar, size)
         self._cache_bytes += size
-        while self._cache_bytes > self.cache_limit_bytes:
-            _, (_, evicted) = self._cache.popitem(last=False)
-            self._cache_bytes -= evicted
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars that no holder holds until the cache is within its bound (under
+        ``_lock``)."""
+        if self._cache_bytes <= self.cache_limit_bytes:
+            return
+        for key in [key for key in self._cache if key not in self._held]:
+            _, size = self._cache.pop(key)
+            self._cache_bytes -= size
+            if self._cache_bytes <= self.cache_limit_bytes:
+                return
+
+    def _unhold(self, holder) -> bool:
+        """Forget ``holder``'s hold (under ``_lock``); whether it held one."""
+        key = self._holds.pop(holder, None)
+        if key is None:
+            return False
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
+        return True
 
 
 #: Processes of a checker (:func:`grammar_checker`): the first starts with the first check, each other one when a

@@ -6,6 +6,7 @@ One speculative engine (eagle3) with a compile limit of a few seconds. A long un
 big schemas arrive: one compiles within the limit, one does not. Before the fix the engine compiled inside its
 loop: the stream stopped for as long as the compile ran, and no compile ever failed.
 """
+import asyncio
 import re
 import threading
 import time
@@ -232,3 +233,101 @@ def test_a_grammar_slow_to_parse_is_stopped_at_the_limit_and_fails_alone(limited
     # the limit, the start of a checker process and the other request; the check alone took over a minute before
     assert took < 30, took
     assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while the grammar was checked ({took:.1f} s)'
+
+
+class _Counting:
+    """An ``xgrammar.GrammarCompiler`` whose compiles are counted in ``calls``."""
+
+    def __init__(self, compiler, calls: list):
+        self._compiler, self._calls = compiler, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._compiler, name)
+        if not name.startswith('compile_'):
+            return attr
+
+        def counted(*args, **kwargs):
+            self._calls.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+#: a prompt of more than one block of the KV cache (64 tokens)
+LONG_PROMPT = ' '.join(PROMPTS * 3)
+
+
+def test_a_request_that_waits_for_the_kv_cache_keeps_its_grammar(cpu_path, monkeypatch):
+    """A request admitted with its grammar compiled waits for room in the KV cache, while another request's grammar
+    compiles into a cache too small for both: the waiting request's grammar is held, and its first step builds its
+    matcher from the cache. Before, the newer grammar evicted it, and that step compiled it again while every
+    request of the batch waited (seconds, for a schema near the limit)."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.pytorch.engine.model_agent import agent
+    from lmdeploy.pytorch.messages import MessageStatus
+
+    from lmdeploy_guided_spec.compile import COMPILE_CACHE_ENV
+    from lmdeploy_guided_spec.cpu import models
+    # each grammar takes 0.6 MB compiled here: the cache holds one of them. Ten blocks of 64 tokens of KV cache: the
+    # long stream leaves one near its end, and the waiting request's prompt takes two
+    monkeypatch.setenv(COMPILE_CACHE_ENV, '1')
+    pipe = pipeline(models.resolve('tiny-llama'), backend_config=PytorchEngineConfig(
+        **{**ENGINE_KWARGS, 'max_batch_size': 4, 'num_gpu_blocks': 10}), log_level='ERROR')
+    engine = pipe.async_engine.engine
+    service = manager(pipe).compile_service
+    try:
+        # the step compiles a grammar it does not find with the manager's xgrammar compiler
+        in_step = []
+        monkeypatch.setattr(manager(pipe), 'compiler', _Counting(manager(pipe).compiler, in_step))
+        # steps of a bigger model from the moment the KV cache is nearly full, so that the stream ends seconds later
+        slow = threading.Event()
+        forward = agent.model_forward
+
+        def slowed(*args, **kwargs):
+            if slow.is_set():
+                time.sleep(0.3)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(agent, 'model_forward', slowed)
+        first, second = _fmt(wide_object(40, prefix='waits')), _fmt(wide_object(40, prefix='evicts'))
+        args = [manager(pipe).compile_args(fmt) for fmt in (first, second)]
+        outputs, seen = {}, {}
+
+        async def run(session_id, config, prompt):
+            async for out in pipe.generate(prompt, session_id, gen_config=config):
+                text, _, _ = outputs.get(session_id, ('', None, None))
+                outputs[session_id] = (text + out.response, out.finish_reason, out.generate_token_len)
+
+        async def main():
+            stream = asyncio.ensure_future(run(970_001, gen_config(None, max_new_tokens=480, ignore_eos=True),
+                                               PROMPTS[1]))
+            deadline = time.monotonic() + 60
+            while engine.scheduler.block_manager.get_num_free_gpu_blocks() > 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            slow.set()
+            waits = asyncio.ensure_future(run(970_002, gen_config(first, max_new_tokens=16), LONG_PROMPT))
+            while service.lookup(*args[0][:2], **args[0][2]) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            evicts = asyncio.ensure_future(run(970_003, gen_config(second, max_new_tokens=16), PROMPTS[2]))
+            while service.lookup(*args[1][:2], **args[1][2]) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            waiting = engine.scheduler.sessions[970_002].sequences.values()
+            seen['waiting'] = [seq.status == MessageStatus.WAITING for seq in waiting]
+            seen['stream'] = outputs.get(970_001, (None, None, 0))[1]
+            seen['bytes'] = service.cache_size_bytes
+            await asyncio.gather(waits, evicts, stream)
+
+        pipe._run(coro=main()).result(timeout=300)
+    finally:
+        pipe.close()
+    # the case: the first request waited for the KV cache while the second's grammar came into the cache
+    assert seen['waiting'] == [True] and seen['stream'] is None, (seen, outputs)
+    assert in_step == [], 'a step compiled a grammar: its request\'s grammar was evicted while it waited'
+    assert seen['bytes'] > service.cache_limit_bytes, 'the waiting request\'s grammar was evicted'
+    for session_id, fmt in ((970_002, first), (970_003, second)):
+        text, reason, _ = outputs[session_id]
+        assert reason in ('stop', 'length'), outputs[session_id]
+        if reason == 'stop':
+            check_valid(text, fmt)
+    # the holds were let go as the matchers were built: the cache is back within its bound
+    assert service.holders == 0 and service.cache_size_bytes <= service.cache_limit_bytes

@@ -41,16 +41,25 @@ def test_a_rank_compiles_ahead_and_its_step_builds_the_matcher_from_that_compile
         manager.precompile(None)
         manager.precompile({'type': 'text'})
         assert manager.compile_service is None, 'a rank starts its compile service with its first grammar'
-        manager.precompile(FMT)
+        manager.precompile(FMT, 1)
         service = manager.compile_service
         # the engine probes the grammar's cost and refuses it; the rank compiles it, under the same limit
         assert service.timeout_s == 20
         assert service.mask_limit_ms == float('inf') and service.matcher_limit_mb == float('inf')
+        # held for the request's session until its step builds the matcher (a request that waits for room in the KV
+        # cache meanwhile keeps it, whatever the grammars of others evict)
+        assert service.holders == 1
         # the step waits for that compile (in flight or done) instead of compiling the grammar itself
         manager.compiler = None  # a compile inside the step would fail here
         processors = manager.get_processors([{'session_id': 1, 'seq_id': 1}], (FMT, ))
         assert processors[0].accept_string('{"note": "hi"}')
         assert not processors[0].accept_string(', "more": 1')
+        assert service.holders == 0
+        # a session that ends before its step lets its grammar go too
+        manager.precompile(FMT, 2)
+        assert service.holders == 1
+        manager.remove_processor(2)
+        assert service.holders == 0
     finally:
         manager.close_compile_service()
 
@@ -101,31 +110,32 @@ def test_the_rank_call_never_raises_and_a_rank_without_grammar_state_compiles_no
     # an exception in a call without an answer would end the rank process (and the engine with it)
     class Failing:
 
-        def precompile(self, response_format):
+        def precompile(self, response_format, session_id=None):
             raise RuntimeError('the compile service is gone')
 
     records = _Records()
     logger = logging.getLogger('lmdeploy')
     logger.addHandler(records)
     try:
-        _worker(Failing()).precompile_grammar(FMT)
+        _worker(Failing()).precompile_grammar(FMT, 7)
     finally:
         logger.removeHandler(records)
     assert any('the compile service is gone' in m for m in records.messages), records.messages
     # a rank that builds no matcher compiles nothing: without speculative decoding one that does not sample, with it
     # one that does not sample beside a draft model that drafts without the grammar
     sent = []
-    manager = types.SimpleNamespace(precompile=sent.append)
-    _worker(manager, types.SimpleNamespace(guided_spec=None), need_output=False).precompile_grammar(FMT)
-    _worker(manager, need_output=False).precompile_grammar(FMT)
-    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=False)).precompile_grammar(FMT)
+    manager = types.SimpleNamespace(precompile=lambda *args: sent.append(args))
+    _worker(manager, types.SimpleNamespace(guided_spec=None), need_output=False).precompile_grammar(FMT, 7)
+    _worker(manager, need_output=False).precompile_grammar(FMT, 7)
+    _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=False)).precompile_grammar(FMT, 7)
     assert sent == []
-    # (drafts that depend on the grammar: every rank keeps it, also one that does not sample)
+    # (drafts that depend on the grammar: every rank keeps it, also one that does not sample); with the session
+    # that holds it
     _worker(manager, types.SimpleNamespace(guided_spec=object(), _keeps_grammar=True),
-            need_output=False).precompile_grammar(FMT)
-    _worker(manager, types.SimpleNamespace(guided_spec=None)).precompile_grammar(FMT)
+            need_output=False).precompile_grammar(FMT, 7)
+    _worker(manager, types.SimpleNamespace(guided_spec=None)).precompile_grammar(FMT, 8)
     _worker(manager).precompile_grammar(FMT)
-    assert sent == [FMT, FMT, FMT]
+    assert sent == [(FMT, 7), (FMT, 8), (FMT, None)]
 
 
 def test_a_rank_that_builds_matchers_starts_its_compile_service_with_the_rank():
@@ -192,17 +202,21 @@ def test_the_engine_sends_the_grammar_to_its_ranks_without_waiting_for_an_answer
     engine._rank_compile_options = None
 
     async def main():
-        engine._precompile_on_ranks(FMT)
+        engine._precompile_on_ranks(FMT, 5)
+        # a grammar the engine had compiled: the ranks hold theirs for the request (or compile it, if evicted)
+        engine._hold_grammar(6, FMT)
         await asyncio.sleep(0.01)
         assert not engine._rank_compile_tasks
 
     asyncio.run(main())
-    assert calls == [('precompile_grammar', (FMT, ), 0 if executor == 'mp' else None)]
+    mask = 0 if executor == 'mp' else None
+    assert calls == [('precompile_grammar', (FMT, 5), mask), ('precompile_grammar', (FMT, 6), mask)]
 
 
-def test_a_grammar_the_engine_answers_at_once_is_not_sent_to_the_ranks():
-    """A grammar compiled before, or refused within the last minutes, is answered at once by the engine's compile
-    service: the ranks are not asked to compile it (nor to compile again a grammar the engine refuses)."""
+def test_a_grammar_the_engine_refuses_at_once_is_not_sent_to_the_ranks():
+    """A grammar refused within the last minutes is answered at once by the engine's compile service: the ranks are
+    not asked to compile it again. One compiled before is sent with the request's session, which holds it on each
+    rank; one compiled now too."""
     import concurrent.futures
     import threading
 
@@ -214,10 +228,16 @@ def test_a_grammar_the_engine_answers_at_once_is_not_sent_to_the_ranks():
     done = concurrent.futures.Future()
     done.set_result('a grammar')
     engine.guided_decoding_manager = types.SimpleNamespace(compile_async=lambda response_format: done)
-    assert engine._check_and_compile(FMT, loop) == 'a grammar'
-    assert posted == []
+    assert engine._check_and_compile(FMT, loop, 3) == 'a grammar'
+    assert posted == [(FMT, 3)]
+    refused = concurrent.futures.Future()
+    refused.set_exception(ValueError('refused a minute ago'))
+    engine.guided_decoding_manager = types.SimpleNamespace(compile_async=lambda response_format: refused)
+    with pytest.raises(ValueError, match='a minute ago'):
+        engine._check_and_compile(FMT, loop, 4)
+    assert posted == [(FMT, 3)]
     pending = concurrent.futures.Future()
     threading.Timer(0.2, pending.set_result, args=('compiled now', )).start()
     engine.guided_decoding_manager = types.SimpleNamespace(compile_async=lambda response_format: pending)
-    assert engine._check_and_compile(FMT, loop) == 'compiled now'
-    assert posted == [(FMT, )]
+    assert engine._check_and_compile(FMT, loop, 5) == 'compiled now'
+    assert posted == [(FMT, 3), (FMT, 5)]

@@ -985,6 +985,55 @@ def test_the_cache_is_bounded_by_bytes(service, monkeypatch):
     assert not service.submit('regex', 'bounded-0').done() or service.cache_entries <= 3
 
 
+def test_a_held_grammar_stays_in_the_cache_until_its_holder_lets_go(service, monkeypatch):
+    """A request admitted with its grammar compiled may wait for room in the KV cache while others compile theirs:
+    its grammar is held (``hold``) until its matcher is built or it ends (``release``), past the cache's bound where
+    it must; grammars nobody holds go first, and the cache returns to its bound once the holds are let go."""
+    size = service.compile('regex', 'held-p').memory_size_bytes
+    monkeypatch.setattr(service, 'cache_limit_bytes', 2 * size + size // 2)
+    # held before its compile (the engine holds it as it admits the request): held once remembered
+    service.hold('session-1', 'regex', 'held-0')
+    first = service.compile('regex', 'held-0')
+    service.hold('session-2', 'regex', 'held-0')  # two requests of one grammar
+    for i in range(1, 6):
+        service.compile('regex', f'held-{i}')
+        assert service.cache_size_bytes <= service.cache_limit_bytes
+    assert service.lookup('regex', 'held-0') is first  # without the hold, evicted by the third
+    assert service.lookup('regex', 'held-1') is None
+    service.release('session-1')
+    service.compile('regex', 'held-6')
+    assert service.lookup('regex', 'held-0') is first  # session-2 still holds it
+    # past the bound while holds need it: three held grammars of two and a half
+    service.hold('session-3', 'regex', 'held-5')
+    service.hold('session-4', 'regex', 'held-6')
+    service.hold('session-5', 'regex', 'held-7')
+    held_7 = service.compile('regex', 'held-7')
+    assert service.cache_entries == 3 and service.cache_size_bytes > service.cache_limit_bytes
+    assert service.lookup('regex', 'held-7') is held_7
+    # a new hold of a holder replaces its last; a release of nothing is nothing
+    service.hold('session-2', 'regex', 'held-7')
+    service.release('never-held')
+    assert service.holders == 4 and service.cache_size_bytes <= service.cache_limit_bytes
+    assert service.lookup('regex', 'held-0') is None
+    for holder in ('session-2', 'session-3', 'session-4', 'session-5'):
+        service.release(holder)
+    assert service.holders == 0 and service.cache_size_bytes <= service.cache_limit_bytes
+
+
+def test_holds_are_bounded(service, monkeypatch, caplog):
+    """Holds never released (a request whose end never reached the manager) cannot grow without bound."""
+    from lmdeploy_guided_spec import compile as compile_module
+    monkeypatch.setattr(compile_module, '_HOLDERS', 3)
+    with caplog.at_level('WARNING', logger='lmdeploy_guided_spec.compile'):
+        for i in range(5):
+            service.hold(('bounded', i), 'regex', f'holds-{i}')
+    assert service.holders == 3
+    assert 'the oldest hold is let go' in caplog.text
+    for i in range(5):
+        service.release(('bounded', i))
+    assert service.holders == 0
+
+
 def test_close_fails_pending_compiles_and_refuses_new_ones(monkeypatch, caplog):
     monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '7.5')
     svc = GrammarCompileService(tokenizer_info('llama3').serialize_json())
