@@ -503,7 +503,7 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
             # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up
             # everyone; and it keeps a matcher per guided row, forked for each draft window
             cost, cap = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES
-            if not mask_limit_s == state_limit_bytes == float('inf'):
+            if kinds is not None:  # (None: a service that probes nothing, GrammarCompileService.probes)
                 try:
                     with _memory_cap(cap):
                         cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
@@ -782,6 +782,12 @@ class GrammarCompileService:
     def tokenizer_info(self) -> xgr.TokenizerInfo | None:
         """The tokenizer info compiled grammars belong to (None for a checker)."""
         return self._info
+
+    @property
+    def probes(self) -> bool:
+        """Whether a compile probes the cost of the grammar's masks and matcher (:func:`grammar_cost`): False where
+        both limits are infinite (a rank's service, beside an engine that probed the grammar already)."""
+        return not self.mask_limit_ms == self.matcher_limit_mb == float('inf')
 
     @property
     def cache_size_bytes(self) -> int:
@@ -1256,7 +1262,7 @@ class GrammarCompileService:
         by the first start that needs them; None where both limits turn the probe off), or None for a checker."""
         if self._info_json is None:
             return None
-        if self.mask_limit_ms == self.matcher_limit_mb == float('inf'):
+        if not self.probes:
             return self._info_json, None
         with self._kinds_lock:
             if self._kinds is None:

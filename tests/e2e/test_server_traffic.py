@@ -36,8 +36,6 @@ DISCONNECTS = 20
 #: the random traffic the default suite sends (tests/e2e/random_traffic.py runs longer hunts)
 RANDOM_SEED = 7
 RANDOM_REQUESTS = 60
-#: /v1/chat/completions serves ``n`` above 1 (0.18.0 fans it out; 0.14.0 refuses it, its patch 0089)
-CHAT_SERVES_N = traffic.CHAT_SERVES_N
 NO_INSTANCE = {'type': 'json_schema', 'json_schema': {'name': 'loop', 'schema': {
     '$defs': {'a': {'$ref': '#/$defs/a'}}, '$ref': '#/$defs/a'}}}
 
@@ -75,7 +73,7 @@ def test_clients_that_disconnect_mid_stream(server):
     check_valid(text, fmt)
 
 
-@pytest.mark.skipif(not CHAT_SERVES_N, reason='lmdeploy 0.14.0 refuses n above 1 on /v1/chat/completions (its '
+@pytest.mark.skipif(not traffic.CHAT_SERVES_N, reason='lmdeploy 0.14.0 refuses n above 1 on /v1/chat/completions (its '
                                               'patch 0089): no stream of several choices')
 def test_streams_of_several_choices_whose_client_leaves_end_quietly(server):
     """Streamed chat requests with ``n=2`` (lmdeploy 0.18.0 fans each out into one request per choice) whose client
@@ -430,6 +428,15 @@ def test_a_refused_request_leaves_its_session_id_free(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
+def _refused(create, match: str, **kwargs) -> openai.BadRequestError:
+    """The HTTP 400 that ``create(**kwargs)`` answers with a reason that says ``match``, streamed or not."""
+    with pytest.raises(openai.BadRequestError, match=match) as refused:
+        answer = create(**kwargs)
+        if kwargs.get('stream'):
+            list(answer)
+    return refused.value
+
+
 def test_several_choices_are_served_or_refused(server):
     """``n`` above 1: /v1/completions served one choice and logged "n(2) > 1 hasn't been supported yet. Fallback to
     1", and 0.14.0's /v1/chat/completions served one choice without a word, so a client that asked for two choices
@@ -441,13 +448,11 @@ def test_several_choices_are_served_or_refused(server):
     fmt = response_format('json_schema')
     messages = [{'role': 'user', 'content': 'A person, please.'}]
     for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match='one choice per prompt') as refused:
-            answer = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=2, max_tokens=8,
-                                               temperature=0.8, stream=stream, extra_body={'response_format': fmt})
-            if stream:
-                list(answer)
-        assert 'n 2' in str(refused.value), refused.value
-        if CHAT_SERVES_N:
+        refused = _refused(client.completions.create, 'one choice per prompt', model=model,
+                           prompt=['A person:', 'A year:'], n=2, max_tokens=8, temperature=0.8, stream=stream,
+                           extra_body={'response_format': fmt})
+        assert 'n 2' in str(refused), refused
+        if traffic.CHAT_SERVES_N:
             texts: dict[int, str] = {}
             reasons: dict[int, str] = {}
             answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=96,
@@ -462,11 +467,8 @@ def test_several_choices_are_served_or_refused(server):
                 if reasons[index] == 'stop':
                     check_valid(text, fmt)
         else:
-            with pytest.raises(openai.BadRequestError, match='answers one choice') as refused:
-                answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=8,
-                                                        temperature=0.8, stream=stream, response_format=fmt)
-                if stream:
-                    list(answer)
+            _refused(client.chat.completions.create, 'answers one choice', model=model, messages=messages, n=2,
+                     max_tokens=8, temperature=0.8, stream=stream, response_format=fmt)
     choices = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=1, max_tokens=4).choices
     assert sorted(c.index for c in choices) == [0, 1]
     assert len(client.chat.completions.create(model=model, messages=messages, n=1, max_tokens=4).choices) == 1

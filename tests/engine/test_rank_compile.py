@@ -201,16 +201,21 @@ def test_the_engine_sends_the_grammar_to_its_ranks_without_waiting_for_an_answer
     engine._rank_compile_tasks = set()
     engine._rank_compile_options = None
 
+    engine._compiling_requests = {6: object()}
+
     async def main():
         engine._precompile_on_ranks(FMT, 5)
-        # a grammar the engine had compiled: the ranks hold theirs for the request (or compile it, if evicted)
-        engine._hold_grammar(6, FMT)
+        # from the thread that compiled the grammar: held for a request that still waits for it, for none where the
+        # request was stopped meanwhile (its end may have reached the ranks already: a hold then would never go)
+        engine._precompile_compiling(FMT, 6)
+        engine._precompile_compiling(FMT, 7)
         await asyncio.sleep(0.01)
         assert not engine._rank_compile_tasks
 
     asyncio.run(main())
     mask = 0 if executor == 'mp' else None
-    assert calls == [('precompile_grammar', (FMT, 5), mask), ('precompile_grammar', (FMT, 6), mask)]
+    assert calls == [('precompile_grammar', (FMT, 5), mask), ('precompile_grammar', (FMT, 6), mask),
+                     ('precompile_grammar', (FMT, None), mask)]
 
 
 def test_a_grammar_the_engine_refuses_at_once_is_not_sent_to_the_ranks():
