@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -252,13 +253,14 @@ def post(base: str, path: str, body: dict, timeout: float = 300, headers: dict |
         return status, {'text': text.decode(errors='replace')}
 
 
-def posted(base: str, path: str, body: dict) -> socket.socket:
+def posted(base: str, path: str, body: dict, headers: dict | None = None) -> socket.socket:
     """A connection that has sent a POST of ``body`` to ``path`` and reads nothing: its client goes away when the
     caller closes it."""
     url = urllib.parse.urlsplit(base)
     data = json.dumps(body).encode()
+    more = ''.join(f'{name}: {value}\r\n' for name, value in (headers or {}).items())
     conn = socket.create_connection((url.hostname, url.port), timeout=10)
-    conn.sendall(f'POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n'
+    conn.sendall(f'POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n{more}'
                  f'Content-Length: {len(data)}\r\n\r\n'.encode() + data)
     return conn
 
@@ -310,6 +312,25 @@ def alive(pid: int) -> bool:
     """Whether ``pid`` is a process that has not ended (not gone, not a zombie)."""
     fields = _stat(pid)
     return bool(fields) and fields[0] != 'Z'
+
+
+def busy_compilers(group: int, seconds: float = 1.0) -> list[int]:
+    """The grammar compiler processes of process group ``group`` that ran on a CPU for more than half of the next
+    ``seconds`` (parsing or compiling a grammar)."""
+    tick = os.sysconf('SC_CLK_TCK')
+
+    def cpu() -> dict[int, float]:
+        times = {}
+        for pid in group_processes(group):
+            fields = _stat(pid)
+            if len(fields) > 12 and is_compiler(pid):
+                times[pid] = (int(fields[11]) + int(fields[12])) / tick
+        return times
+
+    before = cpu()
+    time.sleep(seconds)
+    after = cpu()
+    return [pid for pid, spent in after.items() if spent - before.get(pid, spent) > seconds / 2]
 
 
 def parent_pid(pid: int) -> int | None:

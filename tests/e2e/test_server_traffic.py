@@ -428,7 +428,7 @@ def test_a_refused_request_leaves_its_session_id_free(server):
     assert proc.poll() is None and traffic.health(base) == 200
 
 
-def _refused(create, match: str, **kwargs) -> openai.BadRequestError:
+def _bad_request(create, match: str, **kwargs) -> openai.BadRequestError:
     """The HTTP 400 that ``create(**kwargs)`` answers with a reason that says ``match``, streamed or not."""
     with pytest.raises(openai.BadRequestError, match=match) as refused:
         answer = create(**kwargs)
@@ -448,9 +448,9 @@ def test_several_choices_are_served_or_refused(server):
     fmt = response_format('json_schema')
     messages = [{'role': 'user', 'content': 'A person, please.'}]
     for stream in (False, True):
-        refused = _refused(client.completions.create, 'one choice per prompt', model=model,
-                           prompt=['A person:', 'A year:'], n=2, max_tokens=8, temperature=0.8, stream=stream,
-                           extra_body={'response_format': fmt})
+        refused = _bad_request(client.completions.create, 'one choice per prompt', model=model,
+                               prompt=['A person:', 'A year:'], n=2, max_tokens=8, temperature=0.8, stream=stream,
+                               extra_body={'response_format': fmt})
         assert 'n 2' in str(refused), refused
         if traffic.CHAT_SERVES_N:
             texts: dict[int, str] = {}
@@ -467,8 +467,8 @@ def test_several_choices_are_served_or_refused(server):
                 if reasons[index] == 'stop':
                     check_valid(text, fmt)
         else:
-            _refused(client.chat.completions.create, 'answers one choice', model=model, messages=messages, n=2,
-                     max_tokens=8, temperature=0.8, stream=stream, response_format=fmt)
+            _bad_request(client.chat.completions.create, 'answers one choice', model=model, messages=messages, n=2,
+                         max_tokens=8, temperature=0.8, stream=stream, response_format=fmt)
     choices = client.completions.create(model=model, prompt=['A person:', 'A year:'], n=1, max_tokens=4).choices
     assert sorted(c.index for c in choices) == [0, 1]
     assert len(client.chat.completions.create(model=model, messages=messages, n=1, max_tokens=4).choices) == 1
@@ -800,13 +800,14 @@ RESPONSES_BAD = {
 
 @pytest.mark.parametrize('name', RESPONSES_BAD)
 def test_the_responses_api_refuses_a_bad_text_format_with_400(server, name):
-    """A ``text.format`` the server cannot serve is HTTP 400 with OpenAI's error body (a schema or name of the wrong
-    type was HTTP 500: the chat request built from it raised), and the server serves on."""
+    """A ``text.format`` the server cannot serve is HTTP 400 with OpenAI's error body, streamed or not (a schema or
+    name of the wrong type was HTTP 500: the chat request built from it raised), and the server serves on."""
     fmt, message = RESPONSES_BAD[name]
     c, model = _client(server)
-    with pytest.raises(openai.BadRequestError) as err:
-        c.responses.create(model=model, input='x', text={'format': fmt}, max_output_tokens=8)
-    assert err.value.status_code == 400 and message in err.value.message, err.value
+    for stream in (False, True):
+        refused = _bad_request(c.responses.create, '', model=model, input='x', text={'format': fmt},
+                               max_output_tokens=8, stream=stream)
+        assert refused.status_code == 400 and message in refused.message, (stream, refused)
     assert server[0].poll() is None
 
 

@@ -131,7 +131,8 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
     once with HTTP 429 on every endpoint, streamed or not, in the body of its protocol (OpenAI's ``error``;
     Anthropic's ``rate_limit_error``): the server is busy, and the same request is served once the queue has room.
     lmdeploy 0.18.0's Responses and Anthropic APIs answered HTTP 400 (a client does not send a 400 again), and
-    0.14.0's Anthropic API answered 429 with OpenAI's body."""
+    0.14.0's Anthropic API answered 429 with OpenAI's body. A client of any endpoint that leaves while its grammar
+    is parsed stops the parse (the Responses and Anthropic APIs' went on to the compile limit before patch 0091)."""
     from lmdeploy_guided_spec.testing import environ
     log = tmp_path / 'server.log'
     with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '60', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '1'}):
@@ -171,6 +172,22 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
                 break
             time.sleep(1)
         assert status == 200 and answer['status'] in ('completed', 'incomplete'), (status, answer)
+        # a client of any endpoint that leaves while its grammar is checked stops the parse: the Responses and
+        # Anthropic APIs held it until the compile limit (their check was the engine's, which only an abort stops)
+        stopped = {}
+        for n, path in enumerate(p for p in bodies(slow(1)) if p != '/v1/chat/completions'):
+            held = traffic.posted(base, path, bodies(slow(41_000 + n))[path], headers=traffic.ANTHROPIC_HEADERS)
+            deadline = time.monotonic() + 20
+            while not traffic.busy_compilers(proc.pid) and time.monotonic() < deadline:
+                pass
+            assert traffic.busy_compilers(proc.pid), (path, 'no process parses the grammar of the held request')
+            held.close()
+            start = time.monotonic()
+            while traffic.busy_compilers(proc.pid) and time.monotonic() < start + 20:
+                pass
+            stopped[path] = round(time.monotonic() - start, 1)
+            assert stopped[path] < 20, (path, 'the grammar of a client that left is still parsed after 20 s')
+        print(f'[slow to parse] the parse stopped after its client left (s): {stopped}')
         assert proc.poll() is None and traffic.health(base) == 200
     finally:
         stop_server(proc)
