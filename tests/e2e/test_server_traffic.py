@@ -74,7 +74,7 @@ def test_clients_that_disconnect_mid_stream(server):
 
 
 @pytest.mark.skipif(not traffic.CHAT_SERVES_N, reason='lmdeploy 0.14.0 refuses n above 1 on /v1/chat/completions (its '
-                                              'patch 0089): no stream of several choices')
+                                                      'patch 0089): no stream of several choices')
 def test_streams_of_several_choices_whose_client_leaves_end_quietly(server):
     """Streamed chat requests with ``n=2`` (lmdeploy 0.18.0 fans each out into one request per choice) whose client
     leaves after a few chunks: their requests end (none runs on), the server serves on, and the log holds no
