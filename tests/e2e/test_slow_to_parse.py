@@ -132,11 +132,15 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
     Anthropic's ``rate_limit_error``): the server is busy, and the same request is served once the queue has room.
     lmdeploy 0.18.0's Responses and Anthropic APIs answered HTTP 400 (a client does not send a 400 again), and
     0.14.0's Anthropic API answered 429 with OpenAI's body. A client of any endpoint that leaves while its grammar
-    is parsed stops the parse (the Responses and Anthropic APIs' went on to the compile limit before patch 0091)."""
+    is parsed stops the parse (the Responses and Anthropic APIs' went on to the compile limit before patch 0091),
+    also that of a format the response parser builds from the tools of a forced tool call (lmdeploy 0.18: the
+    engine's own check of it went on to the compile limit before patch 0092)."""
+    from lmdeploy import __version__ as lmdeploy_version
+
     from lmdeploy_guided_spec.testing import environ
     log = tmp_path / 'server.log'
     with environ({'LMDEPLOY_GUIDED_SPEC_COMPILE_TIMEOUT': '60', 'LMDEPLOY_GUIDED_SPEC_SLOW_QUEUED': '1'}):
-        proc, base = start_server([], log)
+        proc, base = start_server(['--tool-call-parser', 'qwen3'], log)
     try:
         model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
 
@@ -174,13 +178,23 @@ def test_a_full_queue_of_grammars_slow_to_parse_is_http_429_on_every_endpoint(cp
         assert status == 200 and answer['status'] in ('completed', 'incomplete'), (status, answer)
         # a client of any endpoint that leaves while its grammar is checked stops the parse: the Responses and
         # Anthropic APIs held it until the compile limit (their check was the engine's, which only an abort stops)
+        held_bodies = [(path, lambda n, path=path: bodies(slow(41_000 + n))[path])
+                       for path in bodies(slow(1)) if path != '/v1/chat/completions']
+        if not lmdeploy_version.startswith('0.14.'):
+            # lmdeploy 0.18 builds a format from the tools of a forced call (0.14.0 builds none): the engine checks it
+            for choice in ('required', {'type': 'function', 'function': {'name': 'save'}}):
+                held_bodies.append((f'/v1/chat/completions tool_choice={choice}', lambda n, choice=choice: {
+                    'model': model, 'messages': [{'role': 'user', 'content': 'Save a word.'}], 'max_tokens': 4,
+                    'tools': [{'type': 'function', 'function': {'name': 'save', 'parameters': {
+                        'type': 'object', 'properties': {'word': slow(41_000 + n)}, 'required': ['word']}}}],
+                    'tool_choice': choice}))
         stopped = {}
-        for n, path in enumerate(p for p in bodies(slow(1)) if p != '/v1/chat/completions'):
+        for n, (path, body) in enumerate(held_bodies):
             # no process parses or compiles before the request (those of the rounds before have ended)
             deadline = time.monotonic() + 30
             while traffic.busy_compilers(proc.pid) and time.monotonic() < deadline:
                 pass
-            held = traffic.posted(base, path, bodies(slow(41_000 + n))[path], headers=traffic.ANTHROPIC_HEADERS)
+            held = traffic.posted(base, path.split()[0], body(n), headers=traffic.ANTHROPIC_HEADERS)
             deadline, busy = time.monotonic() + 20, []
             while not busy and time.monotonic() < deadline:
                 busy = traffic.busy_compilers(proc.pid)
