@@ -295,3 +295,19 @@ def generate_fields_from_sampling_params(body: Mapping | None) -> dict:
                                    'one of them', param='sampling_params')
         fields[field] = value
     return fields
+
+
+def client_location(loc, fields: Mapping[str, str]) -> str:
+    """Where a pydantic error (its ``loc``) of a chat request that an endpoint built from its own request is, named as
+    that endpoint's client sent it: ``fields`` maps a chat request field to the client's (the Responses API's
+    ``{"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}``). A renamed
+    ``response_format`` holds the keys of its ``json_schema`` itself, as ``text.format`` and Anthropic's
+    ``output_format`` do: ``response_format.json_schema.strict`` is ``text.format.strict``. A refusal that named the
+    chat request's field sent the client looking for a field it never sent."""
+    parts = [str(part) for part in loc]
+    if not parts or parts[0] not in fields:
+        return '.'.join(parts)
+    rest = parts[1:]
+    if parts[0] == 'response_format' and rest[:1] == ['json_schema']:
+        rest = rest[1:]
+    return '.'.join([fields[parts[0]], *rest])

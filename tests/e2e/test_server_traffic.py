@@ -801,13 +801,16 @@ RESPONSES_BAD = {
 @pytest.mark.parametrize('name', RESPONSES_BAD)
 def test_the_responses_api_refuses_a_bad_text_format_with_400(server, name):
     """A ``text.format`` the server cannot serve is HTTP 400 with OpenAI's error body, streamed or not (a schema or
-    name of the wrong type was HTTP 500: the chat request built from it raised), and the server serves on."""
+    name of the wrong type was HTTP 500: the chat request built from it raised), naming the field ``text`` (the check
+    of the grammar named the chat endpoint's ``response_format``), and the server serves on."""
     fmt, message = RESPONSES_BAD[name]
     c, model = _client(server)
     for stream in (False, True):
         refused = _bad_request(c.responses.create, '', model=model, input='x', text={'format': fmt},
                                max_output_tokens=8, stream=stream)
         assert refused.status_code == 400 and message in refused.message, (stream, refused)
+        # the field as the client sent it (0.18.0 said response_format.whitespace for text.format.whitespace)
+        assert refused.param == 'text' and 'response_format.' not in refused.message, (stream, refused.param, refused)
     assert server[0].poll() is None
 
 
@@ -841,6 +844,8 @@ def test_the_anthropic_messages_api_follows_output_format(server):
                                    ({'type': 'json_schema', 'schema': PERSON, 'whitespace': 0}, 'whitespace')):
         status, answer = _anthropic_message(server, {**body, 'output_format': output_format})
         assert status == 400 and message in answer['error']['message'], answer
+        # the field as the client sent it (the chat request's response_format.whitespace was named before)
+        assert 'response_format.' not in answer['error']['message'], answer
     assert server[0].poll() is None
 
 

@@ -9,6 +9,7 @@ from xgrammar.testing import _is_grammar_accept_string
 from lmdeploy_guided_spec.errors import GuidedFieldError
 from lmdeploy_guided_spec.guided_fields import (
     choice_regex,
+    client_location,
     generate_fields_from_sampling_params,
     response_format_from_fields,
 )
@@ -194,3 +195,17 @@ def test_a_schema_string_nested_too_deeply_is_refused_naming_the_limit(body, par
     with pytest.raises(GuidedFieldError, match='levels deep') as error:
         response_format_from_fields(body, sampling_params=True)
     assert error.value.param == param
+
+
+def test_a_refusal_names_the_field_its_client_sent():
+    """The Responses API and Anthropic's Messages API build a chat request of their own request: a value that chat
+    request refuses is named as the client sent it (0.18.0 answered ``response_format.whitespace`` for a
+    ``text.format.whitespace``)."""
+    responses = {'response_format': 'text.format', 'max_completion_tokens': 'max_output_tokens'}
+    assert client_location(('response_format', 'whitespace'), responses) == 'text.format.whitespace'
+    assert client_location(('response_format', 'json_schema', 'strict'), responses) == 'text.format.strict'
+    assert client_location(('max_completion_tokens',), responses) == 'max_output_tokens'
+    assert client_location(('response_format', 'json_schema'), {'response_format': 'output_format'}) == 'output_format'
+    # a field of the chat request that the client sent under the same name, and no location at all
+    assert client_location(('messages', 0, 'content'), responses) == 'messages.0.content'
+    assert client_location((), responses) == ''
