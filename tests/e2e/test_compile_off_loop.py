@@ -237,6 +237,50 @@ def test_a_grammar_slow_to_parse_is_stopped_at_the_limit_and_fails_alone(limited
     assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s while the grammar was checked ({took:.1f} s)'
 
 
+@pytest.mark.skipif(__import__('lmdeploy').__version__.startswith('0.14.'),
+                    reason="0.14.0's response parsers build no format, so only the endpoints check a request's")
+def test_the_engines_check_stops_when_its_client_leaves(limited_pipe, monkeypatch):
+    """0.18.0 patch 0092: the engine's entry check of a format (the only check of one the response parser builds,
+    from the tools of a forced call) asks the client probe that api_server hands the session: a client that leaves
+    stops the parse, and the request ends with 'abort', counted as cancelled, as a client that leaves elsewhere is
+    (not as an abort, which an operator sends). A probe that fails is asked no more and keeps no abort from stopping
+    the check (run_entry_check stops polling a probe that raises)."""
+    from lmdeploy.metrics.metrics_processor import metrics_processor
+    monkeypatch.setenv(COMPILE_TIMEOUT_ENV, '120')  # far past the parse a stop cuts short (over a minute)
+    engine, stats = limited_pipe.async_engine, metrics_processor.scheduler_stats
+
+    async def check(n: int, probe, abort_after: float | None = None):
+        schema = {'type': 'string', 'pattern': f'^[a-z]{{1,{40_100 + n}}}$'}  # new to the checker's cache
+        session = engine.session_mgr.get()
+        session.client_disconnected = probe  # as api_server's create_session sets it
+        start = time.monotonic()
+        task = asyncio.ensure_future(engine.preprocess([{'role': 'user', 'content': 'A word.'}], session,
+                                                       gen_config=gen_config(_fmt(schema))))
+        if abort_after is not None:
+            await asyncio.sleep(abort_after)
+            await session.async_abort()
+        request = await task
+        outputs = [out async for out in engine.generate(request)]
+        return outputs, time.monotonic() - start
+
+    looks = []
+
+    async def leaves():
+        looks.append(time.monotonic())
+        return len(looks) >= 3  # gone at its third look
+
+    async def fails():
+        raise RuntimeError('the connection state cannot be read')
+
+    before = (stats.num_cancelled_reqs, stats.num_aborted_reqs)
+    outputs, took = limited_pipe._run(coro=check(0, leaves)).result(timeout=150)
+    assert [out.finish_reason for out in outputs] == ['abort'] and took < 20, (outputs, took)
+    assert (stats.num_cancelled_reqs, stats.num_aborted_reqs) == (before[0] + 1, before[1])
+    outputs, took = limited_pipe._run(coro=check(1, fails, abort_after=2)).result(timeout=150)
+    assert [out.finish_reason for out in outputs] == ['abort'] and took < 20, (outputs, took)
+    assert (stats.num_cancelled_reqs, stats.num_aborted_reqs) == (before[0] + 1, before[1] + 1)
+
+
 class _Counting:
     """An ``xgrammar.GrammarCompiler`` whose compiles are counted in ``calls``."""
 

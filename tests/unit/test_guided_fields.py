@@ -207,5 +207,5 @@ def test_a_refusal_names_the_field_its_client_sent():
     assert client_location(('max_completion_tokens',), responses) == 'max_output_tokens'
     assert client_location(('response_format', 'json_schema'), {'response_format': 'output_format'}) == 'output_format'
     # a field of the chat request that the client sent under the same name, and no location at all
-    assert client_location(('messages', 0, 'content'), responses) == 'messages.0.content'
+    assert client_location(('temperature',), responses) == 'temperature'
     assert client_location((), responses) == ''
