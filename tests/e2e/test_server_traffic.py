@@ -313,11 +313,11 @@ def test_an_abort_reaches_a_request_that_waits_for_a_free_instance(cpu_path, tmp
         assert choice.finish_reason == 'stop' and re.fullmatch('[0-9]{4}', choice.message.content), choice
         assert proc.poll() is None, log.read_text()[-4000:]
         # nothing waits now: the request whose client gave up counts as failed, not as waiting for ever (the server
-        # writes its gauges every 10 s)
+        # writes its gauges every 10 s: a write between the failures showed some of them until the next one)
         deadline = time.monotonic() + 30
         while True:
             waiting, failed = metric(base, 'num_api_requests_waiting'), metric(base, 'num_requests_failed')
-            if (waiting == 0 and failed) or time.monotonic() > deadline:
+            if (waiting == 0 and failed >= 4) or time.monotonic() > deadline:
                 break
             time.sleep(1)
         assert waiting == 0, (waiting, failed)
