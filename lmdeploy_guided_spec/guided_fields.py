@@ -311,3 +311,15 @@ def client_location(loc, fields: Mapping[str, str]) -> str:
     if parts[0] == 'response_format' and rest[:1] == ['json_schema']:
         rest = rest[1:]
     return '.'.join([fields[parts[0]], *rest])
+
+
+def validation_refusal(err, fields: Mapping[str, str]) -> tuple[str, str]:
+    """The refusal of a pydantic ``ValidationError`` (``err``) of a chat request that an endpoint built from its own
+    request: ``(location, message)``, where ``location`` is its first error's place named as the endpoint's client
+    sent it (:func:`client_location`; ``''`` when it has none) and ``message`` says where and what it is (``Invalid
+    text.format.strict: Input should be a valid boolean``). The Responses API and Anthropic's Messages API answer
+    it with HTTP 400, as the chat endpoint answers its own."""
+    first = next(iter(err.errors()), {})
+    location = client_location(first.get('loc', ()), fields)
+    detail = first.get('msg', 'invalid value')
+    return location, (f'Invalid {location}: {detail}' if location else detail)

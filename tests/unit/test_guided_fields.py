@@ -12,6 +12,7 @@ from lmdeploy_guided_spec.guided_fields import (
     client_location,
     generate_fields_from_sampling_params,
     response_format_from_fields,
+    validation_refusal,
 )
 
 pytestmark = pytest.mark.unit
@@ -209,3 +210,30 @@ def test_a_refusal_names_the_field_its_client_sent():
     # a field of the chat request that the client sent under the same name, and no location at all
     assert client_location(('temperature',), responses) == 'temperature'
     assert client_location((), responses) == ''
+
+
+def test_a_refusal_of_the_chat_request_says_where_and_what_as_its_client_sent_it():
+    """The refusal of lmdeploy's own ``ChatCompletionRequest``, built from a Responses or Anthropic request, names the
+    first error's place as that client sent it and says what is wrong there, for both APIs alike (0.18.0 spelled this
+    out twice, in its Responses and Anthropic endpoints, and 0.14.0 once more)."""
+    from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+    from pydantic import ValidationError
+    messages = [{'role': 'user', 'content': 'x'}]
+    schema = {'name': 'p', 'schema': PERSON}
+    refusals = []
+    for response_format in ({'type': 'json_schema', 'json_schema': {**schema, 'strict': [1]}},
+                            {'type': 'json_schema', 'json_schema': schema, 'whitespace': ''}):
+        with pytest.raises(ValidationError) as error:
+            ChatCompletionRequest(model='m', messages=messages, response_format=response_format)
+        refusals.append(validation_refusal(error.value, {'response_format': 'text.format'}))
+        refusals.append(validation_refusal(error.value, {'response_format': 'output_format'}))
+    (strict, message), (anthropic_strict, _), (whitespace, _), (anthropic_whitespace, _) = refusals
+    assert (strict, anthropic_strict) == ('text.format.strict', 'output_format.strict'), refusals
+    assert (whitespace, anthropic_whitespace) == ('text.format.whitespace', 'output_format.whitespace'), refusals
+    assert message.startswith('Invalid text.format.strict: ') and 'boolean' in message, message
+    # a field the client sent under its own name, and an error with no place
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest(model='m', messages=messages, temperature='hot')
+    assert validation_refusal(error.value, {'response_format': 'text.format'})[0] == 'temperature'
+    no_place = ValidationError.from_exception_data('x', [{'type': 'missing', 'loc': (), 'input': {}}])
+    assert validation_refusal(no_place, {}) == ('', 'Field required')
