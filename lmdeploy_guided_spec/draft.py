@@ -22,6 +22,7 @@ rejects it.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ import xgrammar as xgr
 from .bitmask import ALL_ALLOWED, allocate_bitmask, apply_bitmask_, no_token_allowed, take_rows, token_allowed
 from .forced import ForcedTokenizer, JumpForwardMemo, forced_token, single_allowed_tokens
 from .guess import GuessWindow
+from .mask_clock import MaskClock
 from .ordering import Ready, host_lists, record_ready, to_device
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import has_ended, stop_only, stop_tokens
@@ -125,6 +127,8 @@ class DraftGrammar:
     mask_drafts : bool, default: True
         Mask the draft logits (:meth:`mask_logits_`). False: the draft model drafts freely and the engine thread does
         not wait for the worker while it drafts; needs ``forced=False``.
+    clock : MaskClock, optional
+        With ``session_ids``: each mask is timed against the mask limit (it records only; every mask is filled).
     """
 
     def __init__(self, matchers: Matchers, batch_size: int, vocab_size: int, num_spec_tokens: int, *,
@@ -133,7 +137,8 @@ class DraftGrammar:
                  batch_matcher: xgr.BatchGrammarMatcher | None = None,
                  sparse: SparseMaskBuilder | None = None, forced: bool = False,
                  tokenizer: ForcedTokenizer | None = None, guesses: Callable[[], GuessWindow | None] | None = None,
-                 guess_in_window: bool = False, jumps: JumpForwardMemo | None = None, mask_drafts: bool = True):
+                 guess_in_window: bool = False, jumps: JumpForwardMemo | None = None, mask_drafts: bool = True,
+                 clock: MaskClock | None = None):
         if forced and not mask_drafts:
             raise ValueError('forced drafts replace the draft model\'s choice after waiting for the position\'s '
                              'mask: they need mask_drafts=True')
@@ -144,6 +149,7 @@ class DraftGrammar:
         self.vocab_map = vocab_map
         self.worker = worker or GrammarWorker(inline=True)
         self.session_ids = list(session_ids) if session_ids is not None else None
+        self.clock = clock if self.session_ids is not None else None
         self.rows = sorted(matchers)
         # xgrammar's batch fill takes its own matchers only (not FSM matchers)
         if not all(isinstance(m, xgr.GrammarMatcher) for m in matchers.values()):
@@ -210,8 +216,16 @@ class DraftGrammar:
         flat = self.masks.view(-1, self.masks.shape[-1])
         width = self.num_spec_tokens + 1
         if self.batch_matcher is not None and len(live) >= BATCH_FILL_MIN_ROWS:
+            start = time.perf_counter()
             self.batch_matcher.batch_fill_next_token_bitmask([self.forks[r] for r in live], flat,
                                                              [r * width + position for r in live])
+            if self.clock is not None and time.perf_counter() - start > self.clock.limit_s:
+                # xgrammar's threads filled the rows: each again, timed alone, to find the one over the limit
+                for row in live:
+                    self.clock.fill(self.forks[row], flat, row * width + position, self.session_ids[row])
+        elif self.clock is not None:
+            for row in live:
+                self.clock.fill(self.forks[row], flat, row * width + position, self.session_ids[row])
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)

@@ -39,6 +39,7 @@ from .bitmask import allocate_bitmask, apply_bitmask_, keep_grammar_tokens_, tak
 from .draft import BATCH_FILL_MIN_CORES, DraftGrammar
 from .forced import ForcedTokenizer, JumpForwardMemo, draft_masks_from_env, forced_drafts_from_env
 from .guess import GuessDrafts
+from .mask_clock import MaskClock
 from .ordering import Ready, host_lists, record_ready
 from .sparse import SparseMaskBuilder, SparseRows
 from .step import commit, fill_bitmask, verification_bitmask
@@ -117,7 +118,8 @@ class SpecGrammarManager:
                  batch_fill: bool | None = None, sparse_masks: bool | None = None, tokenizer=None,
                  tokenizer_info: xgr.TokenizerInfo | None = None, forced_drafts: bool | None = None,
                  guess_drafts: bool | Sequence[str] | None = None, window_guesses: bool | None = None,
-                 draft_masks: bool | None = None, draft_model: bool | None = None):
+                 draft_masks: bool | None = None, draft_model: bool | None = None,
+                 mask_limit_ms: float | None = None):
         import os
         self.vocab_size = vocab_size
         self.worker = worker or GrammarWorker()
@@ -156,17 +158,23 @@ class SpecGrammarManager:
         # session id -> message: requests whose grammar rejected a committed token (written by the worker)
         self._failures: dict = {}
         self._failures_lock = threading.Lock()
+        #: Times every mask filled for a session against the mask limit: a grammar whose masks grow slow after the
+        #: compile service's probe is refused (:meth:`pop_slow_grammars`)
+        self.clock = MaskClock(mask_limit_ms)
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         """Run grammar work on the worker, after everything submitted before."""
         return self.worker.submit(fn, *args, **kwargs)
 
     # -- first token of a request (prefill) -------------------------------------------------------------------
-    def next_token_bitmask(self, matchers: Matchers, batch_size: int) -> torch.Tensor | None:
-        """Bitmask ``(batch_size, words)`` of the committed states, or None without guided rows (waits)."""
+    def next_token_bitmask(self, matchers: Matchers, batch_size: int,
+                           session_ids: Sequence[int] | None = None) -> torch.Tensor | None:
+        """Bitmask ``(batch_size, words)`` of the committed states, or None without guided rows (waits). With
+        ``session_ids`` (the session of every batch row) a mask over the mask limit refuses its request."""
         if not matchers:
             return None
-        return self.worker.run(fill_bitmask, matchers, batch_size, self.vocab_size, pin_memory=self.pin_memory)
+        return self.worker.run(fill_bitmask, matchers, batch_size, self.vocab_size, pin_memory=self.pin_memory,
+                               clock=self.clock, session_ids=list(session_ids) if session_ids is not None else None)
 
     # -- verification -----------------------------------------------------------------------------------------
     def verification_bitmask(self, matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -210,7 +218,8 @@ class SpecGrammarManager:
                 return window.verification_masks()
         missing = {row: m for row, m in matchers.items() if row not in found}
         if missing:
-            bitmask = verification_bitmask(missing, drafts, self.vocab_size, pin_memory=self.pin_memory)
+            bitmask = verification_bitmask(missing, drafts, self.vocab_size, pin_memory=self.pin_memory,
+                                           clock=self.clock, session_ids=session_ids)
         else:
             bitmask = allocate_bitmask(batch * width, self.vocab_size, pin_memory=self.pin_memory)
         view = bitmask.view(batch, width, -1)
@@ -337,6 +346,12 @@ class SpecGrammarManager:
             failures, self._failures = self._failures, {}
         return failures
 
+    def pop_slow_grammars(self) -> dict:
+        """``{session id: message}`` of the requests a token mask of whose grammar went over the mask limit since
+        the last call (:class:`MaskClock`): the engine refuses them as it refuses a grammar the compile service finds
+        slow."""
+        return self.clock.pop()
+
     # -- drafting ---------------------------------------------------------------------------------------------
     def vocab_map(self, draft_id_to_target_id: torch.Tensor | None) -> DraftVocabMap | None:
         """The cached :class:`DraftVocabMap` for a draft model's map (None for a shared vocabulary)."""
@@ -371,7 +386,7 @@ class SpecGrammarManager:
                               session_ids=session_ids, pin_memory=self.pin_memory,
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=forced,
                               tokenizer=self.forced_tokenizer, guesses=guesses, guess_in_window=guesses is not None,
-                              jumps=self.jumps, mask_drafts=self.draft_masks)
+                              jumps=self.jumps, mask_drafts=self.draft_masks, clock=self.clock)
         self._keep(window, matchers, session_ids)
         return window
 
@@ -410,7 +425,7 @@ class SpecGrammarManager:
                               batch_matcher=self._batch_matcher, sparse=self._sparse, forced=True,
                               tokenizer=self.forced_tokenizer, guesses=self._guess_window(matchers, session_ids,
                                                                                          prompt_ids, num_spec_tokens),
-                              jumps=self.jumps)
+                              jumps=self.jumps, clock=self.clock)
         self._keep(window, matchers, session_ids)
         return window.propose(filler, num_model_tokens=num_model_tokens)
 
@@ -427,6 +442,7 @@ class SpecGrammarManager:
             for session_id in session_ids:
                 self._windows.pop(session_id, None)
                 self._failures.pop(session_id, None)
+        self.clock.forget(session_ids)
         # after the commits queued before
         self.worker.submit(self._forget_queued, session_ids)
 
@@ -437,6 +453,7 @@ class SpecGrammarManager:
 
     def _forget_queued(self, session_ids: list[int]) -> None:
         self._drop_failures(session_ids)
+        self.clock.forget(session_ids)
         if self.guesses is not None:
             self.guesses.forget(session_ids)
 

@@ -30,6 +30,7 @@ import xgrammar as xgr
 
 from .bitmask import ALL_ALLOWED, allocate_bitmask, no_token_allowed, token_allowed, unpack_bitmask
 from .errors import GrammarRejectedError
+from .mask_clock import MaskClock
 from .ordering import Ready, host_lists
 
 __all__ = [
@@ -95,21 +96,30 @@ def grammar_is_empty(grammar: xgr.CompiledGrammar | xgr.GrammarMatcher, vocab_si
     return not bool(unpack_bitmask(mask, vocab_size).any())
 
 
-def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int, *, pin_memory: bool = False,
+                 clock: MaskClock | None = None, session_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Bitmask ``(batch_size, words)`` of the committed states; rows without a matcher, or whose state allows no
     token, allow everything; those whose matcher has ended (:func:`has_ended`) allow its stop tokens only.
 
     Does not change any matcher. ``pin_memory`` page-locks the bitmask, for a copy to the device that does not
-    block the host.
+    block the host. With ``clock`` and ``session_ids`` (the session of every batch row) each mask is timed against
+    the mask limit (:class:`lmdeploy_guided_spec.mask_clock.MaskClock`).
     """
     bitmask = allocate_bitmask(batch_size, vocab_size, pin_memory=pin_memory)
     for row, matcher in matchers.items():
         if has_ended(matcher):
             stop_only(bitmask, row, matcher, vocab_size)
         else:
-            matcher.fill_next_token_bitmask(bitmask, row)
+            _fill(matcher, bitmask, row, clock, session_ids, row)
             _settle_empty(bitmask, row, vocab_size)
     return bitmask
+
+
+def _fill(matcher, bitmask: torch.Tensor, index: int, clock: MaskClock | None, session_ids, row: int) -> None:
+    if clock is None or session_ids is None:
+        matcher.fill_next_token_bitmask(bitmask, index)
+    else:
+        clock.fill(matcher, bitmask, index, session_ids[row])
 
 
 def stop_only(bitmask: torch.Tensor, rows, matcher, vocab_size: int) -> None:
@@ -143,7 +153,8 @@ def _settle_empty(bitmask: torch.Tensor, row: int, vocab_size: int) -> bool:
 
 
 def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Sequence[Sequence[int]],
-                         vocab_size: int, *, ready: Ready | None = None, pin_memory: bool = False) -> torch.Tensor:
+                         vocab_size: int, *, ready: Ready | None = None, pin_memory: bool = False,
+                         clock: MaskClock | None = None, session_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Position-serial bitmasks for the ``num_spec_tokens + 1`` target positions of every request.
 
     Parameters
@@ -159,6 +170,8 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
         them; see :mod:`lmdeploy_guided_spec.ordering`).
     pin_memory : bool, default: False
         Page-lock the bitmask, for a copy to the device that does not block the host.
+    clock : MaskClock, optional
+        With ``session_ids`` (the session of every batch row): each mask is timed against the mask limit.
 
     Returns
     -------
@@ -188,7 +201,7 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
         stop = stop_tokens(fork)
         base = row * num_pos
         for i in range(num_pos):
-            fork.fill_next_token_bitmask(bitmask, base + i)
+            _fill(fork, bitmask, base + i, clock, session_ids, row)
             if i == num_pos - 1 or _settle_empty(bitmask, base + i, vocab_size):
                 break
             token = int(drafts[row][i])

@@ -1,0 +1,47 @@
+"""A grammar whose token masks grow slow only after its first tokens is refused alone, and the other requests
+keep decoding.
+
+The compile service probes the masks of a grammar's first 16 tokens (``LMDEPLOY_GUIDED_SPEC_MASK_LIMIT_MS``), and
+no more. The regular expression below passes that probe: its fixed prefix takes more than 16 tokens of the
+Llama-3 vocabulary, and each of its masks takes microseconds. The words after the prefix are another matter: with
+the vocabulary's words allowed, each mask costs xgrammar 0.8 s, then 1.2 s, 1.5 s, 2.3 s, 3 s, ... of CPU time, on
+the engine's grammar worker, and every request of the batch waited for each (the stream below paused for seconds at
+each step, for as long as the request ran). Now a mask over the limit refuses its request after its step, with the
+cost and the limit, non-speculative or speculative (0.18.0 patch 0093, 0.14.0 patch 0092).
+"""
+import logging
+
+import pytest
+from e2e_helpers import PROMPTS, gen_config, while_streaming
+
+from lmdeploy_guided_spec.compile import MASK_LIMIT_ENV
+
+#: a fixed prefix of 20 digits and spaces (41 tokens as the tiny model writes it), then up to 300 words: the masks of
+#: the words grow slow with the words read (xgrammar 0.2.8 on a 2-core EPYC: 0.8 s for the second word, 3 s for the
+#: sixth). The request asks for all its tokens (``min_new_tokens``): one word is a whole output, which the model may end
+LATE_SLOW = {'type': 'regex_schema', 'regex_schema': '(0 1 2 3 4 5 6 7 8 9 ){2}: ([a-z]+ ?){1,300}'}
+#: the longest pause of the running stream: one mask over the limit (0.8 to 1.5 s on that machine; its step waits
+#: for it), with a margin for a loaded machine; before the fix the stream paused for every slow mask, growing
+MAX_GAP_S = 4.5
+#: how long the two requests may take: the prefix, then one or two slow masks (7 s non-speculative, 3 s with eagle3
+#: on that machine); before the fix the 7 slow masks of the request's 48 tokens took 29 s and 35 s
+MAX_TOOK_S = 20
+
+
+@pytest.mark.parametrize('spec', [False, True], ids=['plain', 'eagle3'])
+def test_a_grammar_whose_masks_grow_slow_late_is_refused_alone(engines, spec, caplog):
+    """The request is refused at its first mask over the limit, with the cost and the limit in the log; the request
+    beside it and a long stream go on, and neither waited for more than that mask."""
+    pipe = engines('tiny-llama', spec=spec)
+    # the request's own fault is a warning of the log
+    caplog.set_level(logging.WARNING, logger='lmdeploy')
+    configs = [gen_config(LATE_SLOW, max_new_tokens=48, min_new_tokens=48), gen_config(None, max_new_tokens=16)]
+    outputs, gap, took = while_streaming(pipe, PROMPTS[:2], configs)
+    slow, plain = outputs
+    assert slow.finish_reason == 'error', (slow, took)
+    # the reason is in the log (a pipeline's output of a request that failed while it ran holds its text so far)
+    reasons = [r.getMessage() for r in caplog.records if 'ms per token to match' in r.getMessage()]
+    assert reasons and 'later in the output' in reasons[0] and MASK_LIMIT_ENV in reasons[0], reasons
+    assert plain.finish_reason in ('stop', 'length'), plain
+    assert gap < MAX_GAP_S, f'the stream paused {gap:.1f} s beside the slow masks ({took:.1f} s)'
+    assert took < MAX_TOOK_S, f'the requests took {took:.1f} s'

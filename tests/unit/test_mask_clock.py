@@ -1,0 +1,110 @@
+"""The clock of token masks (:class:`lmdeploy_guided_spec.mask_clock.MaskClock`): a grammar whose masks grow slow after
+the compile service's probe of its first 16 tokens is found at its first mask over the limit, in every place the
+speculative path fills masks, and nothing else changes."""
+import json
+import math
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from lmdeploy_guided_spec import GrammarWorker, SpecGrammarManager, testing, unpack_bitmask
+from lmdeploy_guided_spec import compile as compile_module
+from lmdeploy_guided_spec.mask_clock import MaskClock
+from lmdeploy_guided_spec.step import fill_bitmask, verification_bitmask
+
+pytestmark = pytest.mark.unit
+
+NAME = 'llama3'
+#: a fixed prefix of more than 16 tokens, then words whose masks grow slow (xgrammar 0.2.8 on a 2-core EPYC: 0.8 s
+#: for the second word, 1.2 s for the third)
+LATE_SLOW = '(0 1 2 3 4 5 6 7 8 9 ){2}: ([a-z]+ ?){1,300}'
+PERSON = {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']}
+#: a limit every mask goes over: the clock's records without waiting for a slow mask
+EVERY_MASK_MS = 1e-6
+
+
+def _vocab() -> int:
+    return testing.TOKENIZERS[NAME].model_vocab_size
+
+
+def _person() -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(testing.grammar_compiler(NAME).compile_json_schema(json.dumps(PERSON)))
+
+
+def test_a_grammar_the_probe_passes_is_over_the_limit_later():
+    """The compile service's probe finds the grammar cheap (microseconds a mask); two words past its prefix, one mask
+    costs more than the default limit, and the clock names the request, the cost and the limit."""
+    info = testing.tokenizer_info(NAME)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    grammar = compile_module._compile(compiler, 'regex', LATE_SLOW, {})
+    cost = compile_module.grammar_cost(grammar, limit_s=compile_module.DEFAULT_MASK_LIMIT_MS / 1e3,
+                                       kinds=compile_module.probe_tokens(info))
+    assert cost.seconds < compile_module.DEFAULT_MASK_LIMIT_MS / 1e3 / 10, cost
+    matcher = xgr.GrammarMatcher(grammar)
+    tokens = testing.load_tokenizer(NAME).encode('0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 : complains about',
+                                                 add_special_tokens=False)
+    assert len(tokens) > 16
+    for token in tokens:
+        assert matcher.accept_token(token), token
+    clock = MaskClock()
+    assert clock.limit_ms == compile_module.DEFAULT_MASK_LIMIT_MS
+    bitmask = fill_bitmask({1: matcher}, 2, _vocab(), clock=clock, session_ids=[40, 41])
+    over = clock.pop()
+    assert list(over) == [41], over
+    assert 'ms per token to match' in over[41] and compile_module.MASK_LIMIT_ENV in over[41], over
+    # the mask is filled all the same
+    assert torch.equal(unpack_bitmask(bitmask, _vocab())[1], testing.allowed_tokens(matcher, _vocab()))
+    assert clock.pop() == {}
+
+
+def test_the_clock_records_only_what_it_is_asked_to_time():
+    """No session, no record (the mask is filled); ``inf`` turns the clock off; a request that ended is forgotten; a
+    limit that is not positive is refused."""
+    clock = MaskClock(EVERY_MASK_MS)
+    bitmask = xgr.allocate_token_bitmask(1, _vocab())
+    assert not clock.fill(_person(), bitmask, 0, None)
+    assert clock.pop() == {}
+    assert clock.fill(_person(), bitmask, 0, 7)
+    clock.forget([7])
+    assert clock.pop() == {}
+    off = MaskClock(math.inf)
+    assert not off.fill(_person(), bitmask, 0, 7) and off.pop() == {}
+    with pytest.raises(ValueError, match='positive'):
+        MaskClock(0)
+
+
+@pytest.mark.parametrize('batch_fill', [False, True], ids=['loop', 'batch-fill'])
+def test_every_place_the_speculative_path_fills_a_mask_is_timed(batch_fill):
+    """The drafting window (a row at a time, or xgrammar's batch fill, whose rows are timed again one by one when
+    the batch went over the limit), the verification of rows without a window, and the first token's mask: each
+    records the sessions of its rows, and a window or fill without session ids records nothing."""
+    rows = 17 if batch_fill else 2
+    sessions = [100 + row for row in range(rows)]
+    manager = SpecGrammarManager(_vocab(), worker=GrammarWorker(inline=True), batch_fill=batch_fill,
+                                 sparse_masks=False, forced_drafts=False, mask_limit_ms=EVERY_MASK_MS)
+    matchers = {row: _person() for row in range(rows)}
+    window = manager.begin_draft(matchers, rows, 2, session_ids=sessions)
+    window.wait()
+    assert set(manager.pop_slow_grammars()) == set(sessions)
+    manager.begin_draft(matchers, rows, 2).wait()
+    assert manager.pop_slow_grammars() == {}
+    drafts = torch.zeros(rows, 2, dtype=torch.long)
+    manager.verification_bitmask(matchers, drafts, [200 + row for row in range(rows)])
+    assert set(manager.pop_slow_grammars()) == {200 + row for row in range(rows)}
+    manager.next_token_bitmask(matchers, rows, [300 + row for row in range(rows)])
+    assert set(manager.pop_slow_grammars()) == {300 + row for row in range(rows)}
+    manager.next_token_bitmask(matchers, rows)
+    # a rejected token is not a slow grammar: pop_failures and pop_slow_grammars keep apart
+    assert manager.pop_slow_grammars() == {} and manager.pop_failures() == {}
+    manager.forget(sessions)
+
+
+def test_the_clock_changes_no_mask():
+    """Masks filled with the clock (every mask over its limit) are those filled without it, bit for bit."""
+    tokens = testing.load_tokenizer(NAME).encode(json.dumps({'name': 'Ann'}), add_special_tokens=False)
+    drafts = [tokens[:3], tokens[1:4]]
+    timed = verification_bitmask({0: _person(), 1: _person()}, drafts, _vocab(), clock=MaskClock(EVERY_MASK_MS),
+                                 session_ids=[5, 6])
+    plain = verification_bitmask({0: _person(), 1: _person()}, drafts, _vocab())
+    assert torch.equal(timed, plain)
