@@ -150,6 +150,8 @@ class DraftGrammar:
         self.worker = worker or GrammarWorker(inline=True)
         self.session_ids = list(session_ids) if session_ids is not None else None
         self.clock = clock if self.session_ids is not None else None
+        # whether a batch fill over the mask limit was timed again row by row in this window
+        self._retimed = False
         self.rows = sorted(matchers)
         # xgrammar's batch fill takes its own matchers only (not FSM matchers)
         if not all(isinstance(m, xgr.GrammarMatcher) for m in matchers.values()):
@@ -219,13 +221,17 @@ class DraftGrammar:
             start = time.perf_counter()
             self.batch_matcher.batch_fill_next_token_bitmask([self.forks[r] for r in live], flat,
                                                              [r * width + position for r in live])
-            if self.clock is not None and time.perf_counter() - start > self.clock.limit_s:
-                # xgrammar's threads filled the rows: each again, timed alone, to find the one over the limit
+            if (self.clock is not None and not self._retimed
+                    and time.perf_counter() - start > self.clock.limit_s):
+                # xgrammar's threads filled the rows: each again, timed alone, to find the one over the limit. Once
+                # a window: a big batch of ordinary grammars may take that long too, and would be filled twice at
+                # every position
+                self._retimed = True
                 for row in live:
-                    self.clock.fill(self.forks[row], flat, row * width + position, self.session_ids[row])
+                    self._timed_fill(row, flat, row * width + position)
         elif self.clock is not None:
             for row in live:
-                self.clock.fill(self.forks[row], flat, row * width + position, self.session_ids[row])
+                self._timed_fill(row, flat, row * width + position)
         else:
             for row in live:
                 self.forks[row].fill_next_token_bitmask(flat, row * width + position)
@@ -283,6 +289,9 @@ class DraftGrammar:
         if self.sparse is not None:
             rows = [row * width + i for i in range(start, width)]
             self._verify_sparse += self.sparse.build(take_rows(self.masks.view(-1, self.masks.shape[-1]), rows), rows)
+
+    def _timed_fill(self, row: int, flat: torch.Tensor, index: int) -> None:
+        self.clock.fill(self.forks[row], flat, index, self.session_ids[row], self._committed[row])
 
     def _settle_empty(self, live: list[int], position: int) -> list[int]:
         """Rows whose state allows no token (a grammar with an empty character class after a prefix) would leave

@@ -346,11 +346,14 @@ class SpecGrammarManager:
             failures, self._failures = self._failures, {}
         return failures
 
-    def pop_slow_grammars(self) -> dict:
-        """``{session id: message}`` of the requests a token mask of whose grammar went over the mask limit since
-        the last call (:class:`MaskClock`): the engine refuses them as it refuses a grammar the compile service finds
-        slow."""
-        return self.clock.pop()
+    def pop_slow_grammars(self, owners: Mapping[int, xgr.GrammarMatcher] | None = None) -> dict:
+        """``{session id: message}`` of the requests whose grammar's token masks went over the mask limit
+        (:class:`MaskClock`): the engine refuses them as it refuses a grammar the compile service finds slow.
+
+        ``owners``: ``{session id: committed matcher}`` of the guided requests of the step that asks; only theirs
+        are handed out (see :meth:`MaskClock.pop`).
+        """
+        return self.clock.pop(owners)
 
     # -- drafting ---------------------------------------------------------------------------------------------
     def vocab_map(self, draft_id_to_target_id: torch.Tensor | None) -> DraftVocabMap | None:

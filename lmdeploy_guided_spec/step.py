@@ -110,16 +110,19 @@ def fill_bitmask(matchers: Matchers, batch_size: int, vocab_size: int, *, pin_me
         if has_ended(matcher):
             stop_only(bitmask, row, matcher, vocab_size)
         else:
-            _fill(matcher, bitmask, row, clock, session_ids, row)
+            _fill(matcher, bitmask, row, clock, session_ids, row, matcher)
             _settle_empty(bitmask, row, vocab_size)
     return bitmask
 
 
-def _fill(matcher, bitmask: torch.Tensor, index: int, clock: MaskClock | None, session_ids, row: int) -> None:
+def _fill(matcher, bitmask: torch.Tensor, index: int, clock: MaskClock | None, session_ids, row: int,
+          committed) -> None:
+    """Fill ``bitmask[index]`` from ``matcher`` (the committed matcher of batch row ``row``, or a fork of it), timed
+    by ``clock`` where there is one and the session ids."""
     if clock is None or session_ids is None:
         matcher.fill_next_token_bitmask(bitmask, index)
     else:
-        clock.fill(matcher, bitmask, index, session_ids[row])
+        clock.fill(matcher, bitmask, index, session_ids[row], committed)
 
 
 def stop_only(bitmask: torch.Tensor, rows, matcher, vocab_size: int) -> None:
@@ -201,7 +204,7 @@ def verification_bitmask(matchers: Matchers, draft_token_ids: torch.Tensor | Seq
         stop = stop_tokens(fork)
         base = row * num_pos
         for i in range(num_pos):
-            _fill(fork, bitmask, base + i, clock, session_ids, row)
+            _fill(fork, bitmask, base + i, clock, session_ids, row, matcher)
             if i == num_pos - 1 or _settle_empty(bitmask, base + i, vocab_size):
                 break
             token = int(drafts[row][i])

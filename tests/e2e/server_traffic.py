@@ -212,6 +212,35 @@ def patterned(base: str, alive: Callable[[], None], seeds: int = 12) -> int:
     return ended
 
 
+#: a regex whose masks grow slow only after the compile service's probe of its first 16 tokens: a fixed prefix of 41
+#: tokens (Llama 3's and DeepSeek's vocabularies: a token a digit or a space), then words whose masks cost xgrammar
+#: 0.8 s and more from the second word on (tests/e2e/test_late_slow_masks.py)
+LATE_SLOW = {'type': 'regex_schema', 'regex_schema': '(0 1 2 3 4 5 6 7 8 9 ){2}: ([a-z]+ ?){1,300}'}
+#: what the refusal of a request whose masks grew slow while it ran says
+LATE_SLOW_REASON = 'ms per token to match (a mask of the running request)'
+
+
+def late_slow(base: str) -> tuple[float, int, dict, str]:
+    """A chat request of :data:`LATE_SLOW` (all of its 48 tokens asked for: one word is a whole output), then the
+    same streamed: the seconds both took, the first's status and answer, and the stream's text."""
+    model = openai.OpenAI(base_url=f'{base}/v1', api_key='none', max_retries=0).models.list().data[0].id
+    body = {'model': model, 'messages': [{'role': 'user', 'content': 'Some words.'}], 'response_format': LATE_SLOW,
+            'max_tokens': 48, 'min_new_tokens': 48, 'temperature': 0}
+    start = time.monotonic()
+    status, answer = post(base, '/v1/chat/completions', body)
+    _, streamed = post(base, '/v1/chat/completions', {**body, 'stream': True})
+    return time.monotonic() - start, status, answer, streamed.get('text', '')
+
+
+def check_late_slow_refused(status: int, answer: dict, streamed: str) -> None:
+    """HTTP 400 with the reason without a stream; the stream's last event is the error (code 400), then ``[DONE]``."""
+    assert status == 400 and LATE_SLOW_REASON in answer['error']['message'], (status, answer)
+    assert answer['error']['type'] == 'invalid_request_error', answer
+    events = [json.loads(line[len('data: '):]) for line in streamed.splitlines() if line.startswith('data: {')]
+    assert events and LATE_SLOW_REASON in events[-1].get('error', {}).get('message', ''), streamed[-1500:]
+    assert events[-1]['error']['code'] == 400 and streamed.rstrip().endswith('data: [DONE]'), streamed[-600:]
+
+
 def health(base: str) -> int:
     return urllib.request.urlopen(f'{base}/health', timeout=10).status
 

@@ -503,6 +503,12 @@ def test_tp2_server_traffic(cpu_path, method, tmp_path):
         assert ended >= 3
         print(f'[tp=2 server] {dead_ends} dead ends and the banned-token requests beside 8 mixed ones and 6 '
               f'patterned ones: {time.perf_counter() - start:.1f} s')
+        # a grammar whose masks grow slow after the probe: refused at its first mask over the limit, and the ranks,
+        # which both time their masks, still draft alike
+        took, status, answer, streamed = traffic.late_slow(base)
+        traffic.check_late_slow_refused(status, answer, streamed)
+        alive()
+        print(f'[tp=2 server] a grammar whose masks grew slow refused, streamed and not: {took:.1f} s')
         # read while the server is up and idle: stopping it ends the rank processes wherever they are
         steps = _check_drafts_agree(drafts, failing=traffic.DEAD_END)
         print(f'[tp=2 server] {steps} speculative steps, drafts identical on both ranks')

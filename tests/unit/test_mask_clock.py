@@ -33,8 +33,9 @@ def _person() -> xgr.GrammarMatcher:
 
 
 def test_a_grammar_the_probe_passes_is_over_the_limit_later():
-    """The compile service's probe finds the grammar cheap (microseconds a mask); two words past its prefix, one mask
-    costs more than the default limit, and the clock names the request, the cost and the limit."""
+    """The compile service's probe finds the grammar cheap (microseconds a mask); four words past its prefix a mask
+    costs more than the default limit (1.5 s on a 2-core EPYC), and at the second such mask the clock names the
+    request, the cost and the limit."""
     info = testing.tokenizer_info(NAME)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     grammar = compile_module._compile(compiler, 'regex', LATE_SLOW, {})
@@ -42,13 +43,16 @@ def test_a_grammar_the_probe_passes_is_over_the_limit_later():
                                        kinds=compile_module.probe_tokens(info))
     assert cost.seconds < compile_module.DEFAULT_MASK_LIMIT_MS / 1e3 / 10, cost
     matcher = xgr.GrammarMatcher(grammar)
-    tokens = testing.load_tokenizer(NAME).encode('0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 : complains about',
+    tokens = testing.load_tokenizer(NAME).encode('0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 : complains about the toner',
                                                  add_special_tokens=False)
     assert len(tokens) > 16
     for token in tokens:
         assert matcher.accept_token(token), token
     clock = MaskClock()
     assert clock.limit_ms == compile_module.DEFAULT_MASK_LIMIT_MS
+    fill_bitmask({1: matcher}, 2, _vocab(), clock=clock, session_ids=[40, 41])
+    # one mask over the limit is a strike; a second refuses
+    assert clock.pop() == {}
     bitmask = fill_bitmask({1: matcher}, 2, _vocab(), clock=clock, session_ids=[40, 41])
     over = clock.pop()
     assert list(over) == [41], over
@@ -63,36 +67,76 @@ def test_the_clock_records_only_what_it_is_asked_to_time():
     limit that is not positive is refused."""
     clock = MaskClock(EVERY_MASK_MS)
     bitmask = xgr.allocate_token_bitmask(1, _vocab())
-    assert not clock.fill(_person(), bitmask, 0, None)
+    matcher = _person()
+    assert not clock.fill(matcher, bitmask, 0, None)
     assert clock.pop() == {}
-    assert clock.fill(_person(), bitmask, 0, 7)
+    assert clock.fill(matcher, bitmask, 0, 7, matcher) and clock.fill(matcher, bitmask, 0, 7, matcher)
     clock.forget([7])
     assert clock.pop() == {}
+    # the strikes went with it
+    assert clock.fill(matcher, bitmask, 0, 7, matcher) and clock.pop() == {}
     off = MaskClock(math.inf)
-    assert not off.fill(_person(), bitmask, 0, 7) and off.pop() == {}
+    assert not off.fill(matcher, bitmask, 0, 7) and not off.fill(matcher, bitmask, 0, 7) and off.pop() == {}
     with pytest.raises(ValueError, match='positive'):
         MaskClock(0)
 
 
+def test_a_record_goes_only_to_the_request_that_made_it():
+    """Records are handed out to the requests of the step that asks, by their committed matcher: a session id that
+    came back with another request (the next turn of a chat) is not refused for the masks of the one before it (a
+    drafting window fills its last masks after its step, so they may come after that request ended); a request not
+    in the step keeps its record for a step of its own; strikes of another matcher do not add up."""
+    clock = MaskClock(EVERY_MASK_MS)
+    bitmask = xgr.allocate_token_bitmask(1, _vocab())
+    first, second, other = _person(), _person(), _person()
+    for _ in range(2):
+        clock.fill(first, bitmask, 0, 7, first)
+        clock.fill(other, bitmask, 0, 9, other)
+    # session 9 is not in this step: its record waits for one of its own
+    assert list(clock.pop({7: first})) == [7]
+    assert list(clock.pop({9: other})) == [9]
+    # the next request of session 7: the late record of the first one is dropped, not handed out
+    clock.fill(first, bitmask, 0, 7, first)
+    clock.fill(first, bitmask, 0, 7, first)
+    assert clock.pop({7: second}) == {}
+    assert clock.pop() == {}
+    # one strike of the first and one of the second are not two of either
+    clock.forget([7])
+    clock.fill(first, bitmask, 0, 7, first)
+    clock.fill(second, bitmask, 0, 7, second)
+    assert clock.pop() == {}
+
+
 @pytest.mark.parametrize('batch_fill', [False, True], ids=['loop', 'batch-fill'])
 def test_every_place_the_speculative_path_fills_a_mask_is_timed(batch_fill):
-    """The drafting window (a row at a time, or xgrammar's batch fill, whose rows are timed again one by one when
-    the batch went over the limit), the verification of rows without a window, and the first token's mask: each
-    records the sessions of its rows, and a window or fill without session ids records nothing."""
+    """The drafting window (a row at a time, or xgrammar's batch fill, whose rows are timed again one by one, once a
+    window, when the batch went over the limit), the verification of rows without a window, and the first token's
+    mask: each records the sessions of its rows, and a window or fill without session ids records nothing."""
     rows = 17 if batch_fill else 2
     sessions = [100 + row for row in range(rows)]
     manager = SpecGrammarManager(_vocab(), worker=GrammarWorker(inline=True), batch_fill=batch_fill,
                                  sparse_masks=False, forced_drafts=False, mask_limit_ms=EVERY_MASK_MS)
     matchers = {row: _person() for row in range(rows)}
-    window = manager.begin_draft(matchers, rows, 2, session_ids=sessions)
+    tokens = testing.load_tokenizer(NAME).encode(json.dumps({'name': 'Ann'}), add_special_tokens=False)
+    # two windows: a batch fill over the limit is timed again row by row once a window
+    for _ in range(2):
+        window = manager.begin_draft(matchers, rows, 2, session_ids=sessions)
+        for token in tokens[:2]:
+            window.advance(torch.full((rows, ), token))
+        window.wait()
+    # refused (twice over the limit), each row by its committed matcher
+    assert set(manager.pop_slow_grammars({s: matchers[row] for row, s in enumerate(sessions)})) == set(sessions)
+    window = manager.begin_draft(matchers, rows, 2)
+    for token in tokens[:2]:
+        window.advance(torch.full((rows, ), token))
     window.wait()
-    assert set(manager.pop_slow_grammars()) == set(sessions)
-    manager.begin_draft(matchers, rows, 2).wait()
     assert manager.pop_slow_grammars() == {}
     drafts = torch.zeros(rows, 2, dtype=torch.long)
-    manager.verification_bitmask(matchers, drafts, [200 + row for row in range(rows)])
+    for _ in range(2):
+        manager.verification_bitmask(matchers, drafts, [200 + row for row in range(rows)])
     assert set(manager.pop_slow_grammars()) == {200 + row for row in range(rows)}
-    manager.next_token_bitmask(matchers, rows, [300 + row for row in range(rows)])
+    for _ in range(2):
+        manager.next_token_bitmask(matchers, rows, [300 + row for row in range(rows)])
     assert set(manager.pop_slow_grammars()) == {300 + row for row in range(rows)}
     manager.next_token_bitmask(matchers, rows)
     # a rejected token is not a slow grammar: pop_failures and pop_slow_grammars keep apart
@@ -108,3 +152,21 @@ def test_the_clock_changes_no_mask():
                                  session_ids=[5, 6])
     plain = verification_bitmask({0: _person(), 1: _person()}, drafts, _vocab())
     assert torch.equal(timed, plain)
+
+
+def test_ordinary_grammars_are_never_over_the_limit():
+    """At the default limit a batch of ordinary grammars, filled by xgrammar's batch fill or a row at a time, the
+    first token's mask and a verification record nothing."""
+    tokens = testing.load_tokenizer(NAME).encode(json.dumps({'name': 'Ann'}), add_special_tokens=False)
+    for batch_fill in (False, True):
+        manager = SpecGrammarManager(_vocab(), worker=GrammarWorker(inline=True), batch_fill=batch_fill,
+                                     sparse_masks=False, forced_drafts=False)
+        matchers = {row: _person() for row in range(17)}
+        sessions = list(range(17))
+        manager.next_token_bitmask(matchers, 17, sessions)
+        window = manager.begin_draft(matchers, 17, 2, session_ids=sessions)
+        for token in tokens[:2]:
+            window.advance(torch.full((17, ), token))
+        window.wait()
+        manager.verification_bitmask(matchers, torch.tensor([tokens[:2]] * 17), [100 + s for s in sessions])
+        assert manager.pop_slow_grammars() == {}
