@@ -85,6 +85,12 @@ class MaskClock:
                     'can match the same text in several ways, such as ([a-z]+ ?){1,300}, are the usual cause'))
         return True
 
+    @property
+    def pending(self) -> bool:
+        """Whether a record waits to be handed out: a caller that derives ``owners`` for :meth:`pop` from its batch
+        need not, at every step, while none does."""
+        return bool(self._over)
+
     def pop(self, owners: Mapping[Hashable, Any] | None = None) -> dict[Hashable, str]:
         """``{key: message}`` of the requests over the limit, handed out once.
 
