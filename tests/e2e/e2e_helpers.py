@@ -93,6 +93,9 @@ class Output:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    #: why a request failed, where the release says it beside the text (lmdeploy 0.18's ``Response.error_message``;
+    #: 0.14 has none)
+    error_message: str | None = None
 
 
 _FORWARD_LOCK = threading.Lock()
@@ -210,7 +213,8 @@ def _text(response) -> str:
 def generate(pipe, prompts: list[str], configs) -> list[Output]:
     """Non-streaming batch generation."""
     responses = pipe(prompts, gen_config=configs)
-    return [Output(_text(r), list(r.token_ids), r.finish_reason) for r in responses]
+    return [Output(_text(r), list(r.token_ids), r.finish_reason, getattr(r, 'error_message', None))
+            for r in responses]
 
 
 def stream(pipe, prompts: list[str], configs) -> list[Output]:
@@ -314,6 +318,13 @@ def metric(base: str, name: str) -> float:
     found = re.search(rf'^lmdeploy:{name}\{{[^}}]*\}} (\S+)$', text, re.M)
     assert found, f'{name} not in the metrics'
     return float(found.group(1))
+
+
+def data_events(text: str | bytes) -> list[dict]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines, in order (``data: [DONE]`` is not one)."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    return [json.loads(line[len('data: '):]) for line in text.splitlines() if line.startswith('data: {')]
 
 
 def served(tmp_path_factory, args: list[str], **kwargs):

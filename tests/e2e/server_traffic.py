@@ -16,7 +16,7 @@ from importlib.metadata import version
 
 import openai
 import pytest
-from e2e_helpers import STOP_TEXTS, check_valid, response_format
+from e2e_helpers import STOP_TEXTS, check_valid, data_events, response_format
 
 KINDS = ('json_schema', 'json_object', 'regex_schema', 'text')
 #: What the engine says of a request whose grammar met a state that allows no token.
@@ -236,7 +236,7 @@ def check_late_slow_refused(status: int, answer: dict, streamed: str) -> None:
     """HTTP 400 with the reason without a stream; the stream's last event is the error (code 400), then ``[DONE]``."""
     assert status == 400 and LATE_SLOW_REASON in answer['error']['message'], (status, answer)
     assert answer['error']['type'] == 'invalid_request_error', answer
-    events = [json.loads(line[len('data: '):]) for line in streamed.splitlines() if line.startswith('data: {')]
+    events = data_events(streamed)
     assert events and LATE_SLOW_REASON in events[-1].get('error', {}).get('message', ''), streamed[-1500:]
     assert events[-1]['error']['code'] == 400 and streamed.rstrip().endswith('data: [DONE]'), streamed[-600:]
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-from e2e_helpers import CODE_REGEX, PERSON, check_valid, openai_client, served
+from e2e_helpers import CODE_REGEX, PERSON, check_valid, data_events, openai_client, served
 
 # the session's pipelines are closed first: with this module's servers beside them they outgrew the machine
 pytestmark = pytest.mark.usefixtures('no_session_pipelines')
@@ -603,7 +603,7 @@ def test_parallel_tool_calls_false_ends_the_answer_with_one_call(client, server)
         with urllib.request.urlopen(request, timeout=120) as r:
             raw = r.read().decode()
         if stream:
-            events = [json.loads(line[len('data: '):]) for line in raw.splitlines() if line.startswith('data: {')]
+            events = data_events(raw)
             kinds = [e['content_block']['type'] for e in events if e.get('type') == 'content_block_start']
         else:
             kinds = [block['type'] for block in json.loads(raw)['content']]
