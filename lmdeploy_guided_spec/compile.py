@@ -57,6 +57,7 @@ from .errors import (
 )
 from .forkserver import ForkedProcess, end_with_parent, fork_server, start_interpreter
 from .tool_calls import document_or_calls_tag
+from .wide import wide_objects
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
@@ -502,16 +503,22 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
                 continue
             # the engine fills the masks of all guided rows each step: a grammar whose mask is slow holds up
             # everyone; and it keeps a matcher per guided row, forked for each draft window
-            cost, cap = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES
+            cost, cap, where = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES, [None]
             if kinds is not None:  # (None: a service that probes nothing, GrammarCompileService.probes)
                 try:
                     with _memory_cap(cap):
                         cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
                                             kinds=kinds)
+                    if cost.seconds <= mask_limit_s and cost.state_bytes <= state_limit_bytes:
+                        # the wide objects the walk may not have reached, each on its own
+                        cost = _probe_wide_objects(compiler, kind, source, options, cost, where, cap=cap,
+                                                   limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
+                                                   kinds=kinds)
                 except RuntimeError as exc:
                     if 'bad_alloc' not in str(exc):
                         raise
-                    conn.send(('big', cap, None))  # the cap stopped an allocation: more than that, somewhere
+                    # the cap stopped an allocation: more than that, somewhere
+                    conn.send(('big', cap, None, where[0]))
                     continue
         except (RuntimeError, ValueError) as exc:  # xgrammar raises RuntimeError for every bad source
             conn.send(('error', f'{type(exc).__name__}: {xgrammar_reason(exc)}' if str(exc).strip() else
@@ -521,14 +528,51 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
             conn.send(('internal', f'{type(exc).__name__}: {exc}'.strip()))
             continue
         if cost is not None and cost.seconds > mask_limit_s:
-            conn.send(('slow', cost.seconds, cost.position))
+            conn.send(('slow', cost.seconds, cost.position, where[0]))
             continue
         if cost is not None and cost.state_bytes > state_limit_bytes:
-            conn.send(('big', cost.state_bytes, cost.state_position))
+            conn.send(('big', cost.state_bytes, cost.state_position, where[0]))
             continue
         size = grammar.memory_size_bytes
         payload = grammar.serialize_json() if size <= transfer_limit else None
         conn.send(('ok', payload, seconds, size))
+
+
+def _probe_wide_objects(compiler, kind: str, source, options: dict, cost: GrammarCost, where: list, *, cap: float,
+                        limit_s: float, state_limit_bytes: float, kinds: ProbeTokens) -> GrammarCost:
+    """Probe each wide object of a source's schemas on its own (:func:`.wide.wide_objects`): the probe of the whole
+    grammar walks its first tokens, and text that takes more (a ``const`` of twenty words, the header of a tool call)
+    hides an object whose matcher grows by gigabytes once it has read a key. The cost of the first object over a
+    limit, with ``where[0]`` its place and width; else ``cost``, with ``where[0]`` None. An object whose schema does
+    not compile alone (a ``$ref`` into the schema around it) is probed with integer values (its keys are what
+    grow); one that compiles neither way is skipped, its source's own compile stands."""
+    for wide in wide_objects(kind, source):
+        grammar = None
+        for schema in (wide.schema, wide.skeleton):
+            try:
+                grammar = _compile(compiler, 'json_schema', json.dumps(schema),
+                                   options if kind == 'json_schema' else {})
+                break
+            except (RuntimeError, ValueError, TypeError):
+                continue
+        if grammar is None:
+            continue
+        where[0] = (wide.place, wide.optional)
+        with _memory_cap(cap):
+            alone = grammar_cost(grammar, limit_s=limit_s, state_limit_bytes=state_limit_bytes, kinds=kinds)
+        del grammar
+        if alone.seconds > limit_s or alone.state_bytes > state_limit_bytes:
+            return alone
+    where[0] = None
+    return cost
+
+
+def _of_object(wide: tuple[str, int] | None) -> str:
+    """Where a probe of a wide object on its own (:func:`_probe_wide_objects`) found its cost, for a message."""
+    if wide is None:
+        return ''
+    place, optional = wide
+    return f' of the object at {place or "/"} alone, which has {optional} optional properties'
 
 
 #: Signals that end a compiler process by a fault of its own (of xgrammar on the source it was given), not by a kill
@@ -1338,18 +1382,19 @@ class GrammarCompileService:
         if reply[0] == 'slow':
             raise GrammarCompileError(
                 f'the {self._describe(job)} costs {reply[1] * 1e3:.0f} ms per token to match (token {reply[2] + 1} '
-                f'of a probe), more than the limit of {self.mask_limit_ms:g} ms ({MASK_LIMIT_ENV}): every guided '
+                f'of a probe{_of_object(reply[3])}), more than the limit of {self.mask_limit_ms:g} ms '
+                f'({MASK_LIMIT_ENV}): every guided '
                 f'request would wait for it at every step. Simplify the schema or regex; counted repetitions of '
                 f'groups that can match the same text in several ways, such as ([a-z]+ ?){{1,300}}, are the '
                 f'usual cause')
         if reply[0] == 'big':
             # a fresh child for the next compile: this one may have been cut off in the middle of an allocation
             self._drop_child(slot)
-            _, size, position = reply
+            _, size, position, wide = reply
             took = (f'more than {size / (1 << 20):.0f} MB of memory within {PROBE_TOKENS} tokens' if position is None
                     else f'{size / (1 << 20):.0f} MB of memory after {position + 1} tokens')
             raise GrammarCompileError(
-                f'matching the {self._describe(job)} took {took} of a probe, more than the limit of '
+                f'matching the {self._describe(job)} took {took} of a probe{_of_object(wide)}, more than the limit of '
                 f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the engine keeps a matcher per guided request '
                 f'and copies it for every draft window. Simplify the schema; an object with thousands of optional '
                 f'properties is the usual cause (list them as required, or split the object)')

@@ -1155,6 +1155,37 @@ def test_a_grammar_whose_matcher_grows_huge_fails_with_the_reason():
         assert svc.submit('json_schema', wide_object(3000)).result(timeout=120) is not None
 
 
+def test_a_wide_object_past_the_probes_reach_is_probed_alone():
+    """A matcher that grows only past the probe's first tokens: an object of 3,000 optional properties behind a
+    ``const`` of twenty words, a tool's parameters behind the call's header, and the same object again with a
+    ``$ref`` into the schema around it (which does not compile alone: its keys are probed). The probe of the whole
+    grammar passes each (its matcher holds 3 MB over 16 tokens); the engine's matcher grew by 0.2 GB at the
+    object's first key, and by as much at each fork. The service probes each wide object on its own and refuses the
+    grammar with the object's place, the memory and the limit."""
+    compiler = grammar_compiler('llama3')
+    intro = {'const': 'word ' * 20}
+    hidden = {'type': 'object', 'properties': {'intro': intro, 'data': wide_object(3000)},
+              'required': ['intro', 'data']}
+    referring = json.loads(json.dumps(hidden))
+    referring['properties']['data']['properties']['field_0'] = {'$ref': '#/properties/intro'}
+    tools = _tools_tag(wide_object(3000))
+    assert grammar_cost(compiler.compile_json_schema(json.dumps(hidden))).state_bytes < 16 << 20
+    assert grammar_cost(compiler.compile_structural_tag(json.dumps(tools))).state_bytes < 16 << 20
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1) as svc:
+        for kind, source, place in (('json_schema', hidden, '/properties/data'),
+                                    ('structural_tag', tools, '/'),
+                                    ('json_schema', referring, '/properties/data')):
+            with pytest.raises(GrammarCompileError, match=rf'took \d+ MB of memory after \d+ tokens of a probe of the '
+                               rf'object at {place} alone, which has 3000 optional properties, more than the limit '
+                               r'of 64 MB') as info:
+                svc.submit(kind, json.dumps(source)).result(timeout=120)
+            assert MATCHER_LIMIT_ENV in str(info.value)
+        # a narrower object behind the same text compiles, and the service goes on
+        fits = {'type': 'object', 'properties': {'intro': intro, 'data': wide_object(600)},
+                'required': ['intro', 'data']}
+        assert svc.submit('json_schema', json.dumps(fits)).result(timeout=120) is not None
+
+
 def test_a_bad_mask_limit_variable_is_named(monkeypatch):
     monkeypatch.setenv(MASK_LIMIT_ENV, '-3')
     with pytest.raises(ValueError, match=MASK_LIMIT_ENV):
