@@ -61,7 +61,7 @@ from .wide import wide_objects
 
 __all__ = [
     'GrammarCompileService', 'COMPILE_TIMEOUT_ENV', 'DEFAULT_COMPILE_TIMEOUT_S', 'MASK_LIMIT_ENV',
-    'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost',
+    'DEFAULT_MASK_LIMIT_MS', 'MATCHER_LIMIT_ENV', 'DEFAULT_MATCHER_LIMIT_MB', 'KINDS', 'GrammarCost', 'ForcedTextCost',
     'grammar_stop_token_ids', 'grammar_cost', 'mask_limit_ms_from_env', 'matcher_limit_mb_from_env',
     'compile_timeout_s_from_env', 'grammar_is_empty', 'grammar_checker', 'conversion_cost', 'SLOW_CONVERSION_COST',
     'SLOW_QUEUED', 'SLOW_QUEUED_ENV', 'slow_queued_from_env', 'entry_check_executor', 'run_entry_check',
@@ -216,6 +216,15 @@ def grammar_stop_token_ids(tokenizer, engine_stop_token_ids, vocab_size: int) ->
     return sorted(t for t in ids if 0 <= t < vocab_size)
 
 
+class ForcedTextCost(Exception):
+    """A probe found a state whose forced text (its jump-forward string) costs more than the limit to build:
+    ``seconds`` of CPU time, or None where an allocation failed under the probe's memory cap."""
+
+    def __init__(self, seconds: float | None):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
 class GrammarCost(NamedTuple):
     """What a probe of a compiled grammar found (:func:`grammar_cost`)."""
     #: CPU seconds of the slowest token along the walk: its mask fill and its accept
@@ -321,7 +330,8 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     engine.
 
     At each position the mask is filled and timed (CPU time of the calling thread; again up to twice where it took
-    more than ``limit_s`` but less than ten times that, the fastest fill counting), then a token the mask allows is
+    more than ``limit_s`` but less than ten times that, the fastest fill counting) with the state's jump-forward text
+    (which forced drafts read), then a token the mask allows is
     taken at random (``seed``, then the next seed for each walk) and accepted (timed too). The walk is steered into
     a grammar's structure (``kinds``, from :func:`probe_tokens`): it prefers tokens other than whitespace (a
     tokenizer has hundreds, and a walk of those reads no key of a JSON object), then tokens that close no object or
@@ -330,7 +340,9 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     nested key). It never takes a stop token, and takes back a token after which only stop tokens are allowed while
     it has other tokens to try. After each accept the process's resident memory is read, and again with a fork of
     the matcher held, as the engine forks it for a draft window. Stops at the first token over ``limit_s``, at the
-    first memory reading over ``state_limit_bytes`` and once the walks have taken ``budget_s`` CPU seconds.
+    first memory reading over ``state_limit_bytes`` and once the walks have taken ``budget_s`` CPU seconds. Raises
+    :class:`ForcedTextCost` where a state's jump-forward text alone takes more than ``limit_s``, or fails to allocate
+    (under the compile service's memory cap).
     """
     import numpy as np
 
@@ -341,7 +353,8 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
     def fill(matcher) -> tuple[float, np.ndarray]:
-        """CPU seconds of the mask (the fastest of up to three fills) and the tokens it allows, stop tokens not."""
+        """CPU seconds of the mask (the fastest of up to three fills) and of the state's jump-forward text, and the
+        tokens the mask allows, stop tokens not."""
         seconds = []
         for _ in range(3):
             # CPU time of this thread: a busy machine does not make a grammar slow (a mask of 12 ms took 65 ms of
@@ -353,7 +366,22 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
                 break
         bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder='little')[:vocab].astype(bool)
         bits[stops] = False
-        return min(seconds), bits
+        # the speculative path reads the text the grammar forces at each position (forced drafts): xgrammar builds
+        # all of it, ten million characters (1 to 4 s, 0.7 GB) for ((a{100}){100}){1000}, whose masks cost
+        # microseconds; the memory cap stops a bigger one (an allocation fails: RuntimeError bad_alloc)
+        start = time.thread_time()
+        try:
+            matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            pass  # a state inside a character (forced.jump_forward_text)
+        except RuntimeError as exc:
+            if 'bad_alloc' in str(exc):
+                raise ForcedTextCost(None) from exc
+            raise
+        forced_s = time.thread_time() - start
+        if limit_s is not None and forced_s > limit_s:
+            raise ForcedTextCost(forced_s)
+        return min(seconds) + forced_s, bits
 
     def choose(allowed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Up to 8 tokens to try, in order: the steered choice first, then any token the walk prefers."""
@@ -514,6 +542,9 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
                         cost = _probe_wide_objects(compiler, kind, source, options, cost, where, cap=cap,
                                                    limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
                                                    kinds=kinds)
+                except ForcedTextCost as exc:
+                    conn.send(('forced', exc.seconds, cap, where[0]))
+                    continue
                 except RuntimeError as exc:
                     if 'bad_alloc' not in str(exc):
                         raise
@@ -1398,6 +1429,18 @@ class GrammarCompileService:
                 f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV}): the engine keeps a matcher per guided request '
                 f'and copies it for every draft window. Simplify the schema; an object with thousands of optional '
                 f'properties is the usual cause (list them as required, or split the object)')
+        if reply[0] == 'forced':
+            _, seconds, cap, wide = reply
+            if seconds is None:  # a fresh child: this one was cut off in the middle of an allocation
+                self._drop_child(slot)
+            took, limit = ((f'more than {cap / (1 << 20):.0f} MB of memory',
+                            f'{self.matcher_limit_mb:g} MB ({MATCHER_LIMIT_ENV})') if seconds is None else
+                           (f'{seconds * 1e3:.0f} ms', f'{self.mask_limit_ms:g} ms ({MASK_LIMIT_ENV})'))
+            raise GrammarCompileError(
+                f'the text the {self._describe(job)} forces takes {took} to build (within {PROBE_TOKENS} tokens of a '
+                f'probe{_of_object(wide)}), more than the limit of {limit}: xgrammar builds all of it each time a '
+                f'speculative step reads what the grammar forces. Simplify the schema or regex; nested counted '
+                f'repetitions of fixed text, such as ((a{{100}}){{100}}){{1000}}, force millions of characters')
         if reply[0] == 'huge':
             # not cached, the engine would compile it again where it builds the matcher: on its loop, for every
             # request that sends it, stalling every other request meanwhile (the child checks it before its probe)

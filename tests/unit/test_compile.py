@@ -1186,6 +1186,30 @@ def test_a_wide_object_past_the_probes_reach_is_probed_alone():
         assert svc.submit('json_schema', json.dumps(fits)).result(timeout=120) is not None
 
 
+#: nested counted repetitions of fixed text: ten million characters the grammar forces, each mask microseconds
+FORCED_MILLIONS = '((a{100}){100}){1000}'
+
+
+@pytest.mark.parametrize('kind,source,options', [
+    ('regex', FORCED_MILLIONS, {}),
+    ('json_schema', {'type': 'string', 'pattern': f'^{FORCED_MILLIONS}$'}, {}),
+    ('json_schema', {'type': 'array', 'items': {'const': 'a'}, 'minItems': 10 ** 6, 'maxItems': 10 ** 6},
+     {'any_whitespace': False, 'separators': (',', ':')}),
+], ids=['regex', 'pattern', 'items'])
+def test_a_grammar_that_forces_millions_of_characters_is_refused(kind, source, options):
+    """xgrammar builds the whole jump-forward text of a state each time it is asked, and the speculative path asks
+    at each position of its forced drafts: ten million forced characters cost 1 to 4 s and 0.7 GB per call, a
+    hundred million failed past a 2 GB cap, while every mask costs microseconds (the probe of the masks passed
+    them, and so would the mask clock). The probe reads the forced text at each position, under its memory cap."""
+    with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1) as svc:
+        with pytest.raises(GrammarCompileError, match=r'the text the (regex|json_schema) grammar .* forces takes '
+                           r'(more than \d+ MB of memory|\d+ ms) to build \(within 16 tokens of a probe\), more than '
+                           r'the limit of .*such as \(\(a\{100\}\)\{100\}\)\{1000\}'):
+            svc.submit(kind, source, **options).result(timeout=120)
+        # a forced literal of a thousand characters is cheap, and the service goes on
+        assert svc.submit('regex', 'x(ab){500}y').result(timeout=60) is not None
+
+
 def test_a_bad_mask_limit_variable_is_named(monkeypatch):
     monkeypatch.setenv(MASK_LIMIT_ENV, '-3')
     with pytest.raises(ValueError, match=MASK_LIMIT_ENV):
