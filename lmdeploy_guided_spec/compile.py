@@ -56,6 +56,7 @@ from .errors import (
     xgrammar_reason,
 )
 from .forkserver import ForkedProcess, end_with_parent, fork_server, start_interpreter
+from .language import required_text_length
 from .tool_calls import document_or_calls_tag
 from .wide import wide_objects
 
@@ -97,6 +98,10 @@ COMPILE_CACHE_ENV = 'LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB'
 DEFAULT_COMPILE_CACHE_MB = 256.0
 #: Token positions a probe walks through a compiled grammar.
 PROBE_TOKENS = 16
+#: Most characters one part of a grammar may require (:func:`.language.required_text_length`): a text the grammar
+#: forces is built whole by xgrammar at each read of its jump-forward string, wherever it sits (the probe reads those
+#: of its first tokens only). a{1000000} takes 0.18 s a read; the schemas of JSONSchemaBench require at most 2,663.
+FORCED_TEXT_LIMIT_CHARS = 10 ** 6
 #: Walks of a probe (each from the grammar's start, with its own random choices).
 PROBE_WALKS = 3
 #: CPU seconds after which a probe stops walking (the schemas of JSONSchemaBench take up to 0.06 s): a grammar
@@ -533,6 +538,11 @@ def _child_main(fd: int, max_threads: int, parent_pid: int | None = None) -> Non
             # everyone; and it keeps a matcher per guided row, forked for each draft window
             cost, cap, where = None, 2 * state_limit_bytes + _PROBE_SLACK_BYTES, [None]
             if kinds is not None:  # (None: a service that probes nothing, GrammarCompileService.probes)
+                # a text forced past the probe's tokens (behind a free prefix) is built whole all the same
+                required = required_text_length(grammar.grammar)
+                if required > FORCED_TEXT_LIMIT_CHARS:
+                    conn.send(('long', required))
+                    continue
                 try:
                     with _memory_cap(cap):
                         cost = grammar_cost(grammar, limit_s=mask_limit_s, state_limit_bytes=state_limit_bytes,
@@ -1441,6 +1451,13 @@ class GrammarCompileService:
                 f'probe{_of_object(wide)}), more than the limit of {limit}: xgrammar builds all of it each time a '
                 f'speculative step reads what the grammar forces. Simplify the schema or regex; nested counted '
                 f'repetitions of fixed text, such as ((a{{100}}){{100}}){{1000}}, force millions of characters')
+        if reply[0] == 'long':
+            raise GrammarCompileError(
+                f'the {self._describe(job)} requires a text of at least {reply[1]:,} characters in one part, more '
+                f'than the limit of {FORCED_TEXT_LIMIT_CHARS:,}: where the grammar forces such a text, xgrammar '
+                f'builds all of it each time a speculative step reads what the grammar forces (ten million '
+                f'characters: 1 to 4 s and 0.7 GB each time), and no output holds it. Simplify the schema or regex; '
+                f'nested counted repetitions, such as ((a{{100}}){{100}}){{1000}}, are the usual cause')
         if reply[0] == 'huge':
             # not cached, the engine would compile it again where it builds the matcher: on its loop, for every
             # request that sends it, stalling every other request meanwhile (the child checks it before its probe)

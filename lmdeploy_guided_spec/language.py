@@ -21,7 +21,7 @@ import re
 import threading
 from collections import OrderedDict
 
-__all__ = ['language_is_empty']
+__all__ = ['language_is_empty', 'required_text_length']
 
 _IDENT = re.compile(r'[A-Za-z_][A-Za-z0-9_.\-]*')
 _REPEAT = re.compile(r'\{\s*(\d+)\s*(?:,\s*(-?\d+)\s*)?\}')
@@ -159,7 +159,7 @@ class _Parser:
             ch = self._peek()
             if ch in ('*', '?'):
                 self.i += 1
-                node = None if node is None else ('opt', node)
+                node = None if node is None else self._repeat(node, 0)
             elif ch == '+':
                 self.i += 1
             elif ch == '{':
@@ -167,10 +167,14 @@ class _Parser:
                 if match is None:
                     raise _Unsupported('repetition')
                 self.i = match.end()
-                if node is not None and int(match.group(1)) == 0:
-                    node = ('opt', node)
+                if node is not None:
+                    node = self._repeat(node, int(match.group(1)))
             else:
                 return node
+
+    def _repeat(self, node, least: int):
+        """``node`` repeated at least ``least`` times (``x*``, ``x?``: 0; ``x{m,n}``: m)."""
+        return ('opt', node) if least == 0 else node
 
     def atom(self):
         ch = self._peek()
@@ -267,6 +271,17 @@ def language_is_empty(grammar, root: str = 'root') -> bool:
     return empty
 
 
+def _link(rules: dict, build, rule_vertex: dict[str, int], refs: list[tuple[str, int]],
+          parents: list[list[int]]) -> None:
+    """Put each rule's body (its vertex from ``build``) under its rule's vertex, then each reference's vertex under
+    the rule it names (a reference to no rule derives nothing: it stays waiting)."""
+    for name, body in rules.items():
+        parents[build(body)].append(rule_vertex[name])
+    for name, v in refs:
+        if name in rule_vertex:
+            parents[rule_vertex[name]].append(v)
+
+
 def _language_is_empty(text: str, root: str) -> bool:
     try:
         rules = _rules(text)
@@ -308,14 +323,137 @@ def _language_is_empty(text: str, root: str) -> bool:
             parents[build(item)].append(v)
         return v
 
-    for name, body in rules.items():
-        parents[build(body)].append(rule_vertex[name])
-    for name, v in refs:
-        if name in rule_vertex:  # a reference to no rule derives nothing
-            parents[rule_vertex[name]].append(v)
+    _link(rules, build, rule_vertex, refs, parents)
     while ready:
         for parent in parents[ready.pop()]:
             waiting[parent] -= 1
             if waiting[parent] == 0:
                 ready.append(parent)
     return waiting[rule_vertex[root]] > 0
+
+
+# -- the longest text a part of a grammar requires -------------------------------------------------------------
+# nodes: ('len', n) (a literal of n characters, or a class: 1), ('ref', name), ('seq', [nodes]), ('alt', [nodes]),
+# ('rep', node, least) (a node repeated at least `least` times: 0 for ?, *, {0,n}, 1 for +)
+#: Lengths past this are counted as this (a grammar's numbers stay small integers).
+_LENGTH_CAP = 10 ** 18
+
+
+def _literal_length(text: str) -> int:
+    """Characters of a literal as xgrammar prints it, quotes included (each escape is one character)."""
+    count, i = 0, 1
+    while i < len(text) - 1:
+        if text[i] == '\\':
+            kind = text[i + 1] if i + 1 < len(text) else ''
+            i += 2 + _HEX_ESCAPES.get(kind, 0)
+        else:
+            i += 1
+        count += 1
+    return count
+
+
+class _LengthParser(_Parser):
+    """Reads a rule body into the nodes of :func:`required_text_length`."""
+
+    def _repeat(self, node, least: int):
+        return ('rep', node, least)
+
+    def atom(self):
+        ch = self._peek()
+        if ch == '"':
+            start = self.i
+            self.i = _skip_quoted(self.text, self.i, '"')
+            return ('len', _literal_length(self.text[start:self.i]))
+        if ch == '[':
+            self.i = _skip_quoted(self.text, self.i, ']')
+            return ('len', 1)
+        node = super().atom()
+        return ('len', 1) if node == ('lit', ) else node
+
+
+def required_text_length(grammar) -> int:
+    """The most characters that one sequence of one rule of ``grammar`` requires: the length of the shortest text it
+    derives (counted repetitions multiply it: ``a{1000}`` requires 1,000). Where a state's text is forced, the forced
+    text is at most about this long, and xgrammar's jump-forward string builds it whole. 0 where the text holds
+    something this analysis does not read.
+
+    Pseudocode (Knuth's generalisation of Dijkstra's shortest paths: a sum, a minimum and a count times a length are
+    never less than what they read, so values leave the heap in order and each is final when it leaves)::
+
+        vertices: each rule, and each node of each rule body; leaves (literals, classes, x* and x?) on the heap
+        while heap: v = pop the least; for each parent p of v: an alternative (a rule) takes its first child's
+            value; a sequence its children's sum once all are known; a count m times its child's; push p when known
+        return the largest value of any sequence
+    """
+    try:
+        rules = _rules(str(grammar), _LengthParser)
+    except _Unsupported:
+        return 0
+    import heapq
+    # per vertex: its kind ('alt' takes its first known child, 'seq' the sum of all, 'rep' a count times its one
+    # child), how many children it still waits for, the sum so far (a sequence) or the count (a repetition)
+    kinds: list[str] = []
+    waiting: list[int] = []
+    values: list[int] = []
+    parents: list[list[int]] = []
+    known: list[bool] = []
+    heap: list[tuple[int, int]] = []
+
+    def vertex(kind: str, needs: int, value: int = 0) -> int:
+        kinds.append(kind)
+        waiting.append(needs)
+        values.append(value)
+        parents.append([])
+        known.append(False)
+        if needs == 0:
+            heapq.heappush(heap, (value, len(kinds) - 1))
+        return len(kinds) - 1
+
+    rule_vertex = {name: vertex('alt', 1) for name in rules}
+    refs: list[tuple[str, int]] = []
+
+    def build(node) -> int:
+        kind = node[0]
+        if kind == 'len':
+            return vertex('len', 0, node[1])
+        if kind == 'ref':
+            v = vertex('alt', 1)
+            refs.append((node[1], v))
+            return v
+        if kind == 'rep':
+            if node[2] == 0:
+                return vertex('len', 0, 0)
+            v = vertex('rep', 1, node[2])
+            parents[build(node[1])].append(v)
+            return v
+        items = node[1]
+        if not items:
+            return vertex('seq', 0, 0)
+        v = vertex(kind, len(items) if kind == 'seq' else 1)
+        for item in items:
+            parents[build(item)].append(v)
+        return v
+
+    _link(rules, build, rule_vertex, refs, parents)
+    longest = 0
+    while heap:
+        value, v = heapq.heappop(heap)
+        if known[v]:
+            continue
+        known[v] = True
+        if kinds[v] == 'seq':
+            longest = max(longest, value)
+        for parent in parents[v]:
+            if known[parent] or waiting[parent] == 0:
+                continue
+            kind = kinds[parent]
+            if kind == 'alt':
+                waiting[parent], values[parent] = 0, value
+            elif kind == 'rep':
+                waiting[parent], values[parent] = 0, min(_LENGTH_CAP, values[parent] * value)
+            else:
+                waiting[parent] -= 1
+                values[parent] = min(_LENGTH_CAP, values[parent] + value)
+            if waiting[parent] == 0:
+                heapq.heappush(heap, (values[parent], parent))
+    return longest

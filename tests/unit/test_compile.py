@@ -33,6 +33,7 @@ from lmdeploy_guided_spec.compile import (
     MASK_LIMIT_ENV,
     MATCHER_LIMIT_ENV,
     SLOW_CONVERSION_COST,
+    ForcedTextCost,
     GrammarCompileService,
     conversion_cost,
     grammar_checker,
@@ -1195,19 +1196,54 @@ FORCED_MILLIONS = '((a{100}){100}){1000}'
     ('json_schema', {'type': 'string', 'pattern': f'^{FORCED_MILLIONS}$'}, {}),
     ('json_schema', {'type': 'array', 'items': {'const': 'a'}, 'minItems': 10 ** 6, 'maxItems': 10 ** 6},
      {'any_whitespace': False, 'separators': (',', ':')}),
-], ids=['regex', 'pattern', 'items'])
+    # behind text that takes more tokens than the probe walks: no probe reaches it
+    ('regex', f'[a-z]{{400}}{FORCED_MILLIONS}', {}),
+    ('json_schema', {'type': 'object', 'properties': {'intro': {'type': 'string', 'minLength': 300},
+                                                      'code': {'type': 'string', 'pattern': f'^{FORCED_MILLIONS}$'}},
+                     'required': ['intro', 'code']}, {}),
+], ids=['regex', 'pattern', 'items', 'regex-behind-a-prefix', 'pattern-behind-a-string'])
 def test_a_grammar_that_forces_millions_of_characters_is_refused(kind, source, options):
     """xgrammar builds the whole jump-forward text of a state each time it is asked, and the speculative path asks
     at each position of its forced drafts: ten million forced characters cost 1 to 4 s and 0.7 GB per call, a
     hundred million failed past a 2 GB cap, while every mask costs microseconds (the probe of the masks passed
-    them, and so would the mask clock). The probe reads the forced text at each position, under its memory cap."""
+    them, and so would the mask clock). A grammar that requires more than a million characters in one part is
+    refused before any probe, wherever that part sits."""
     with GrammarCompileService(tokenizer_info('llama3'), timeout_s=60, max_workers=1) as svc:
-        with pytest.raises(GrammarCompileError, match=r'the text the (regex|json_schema) grammar .* forces takes '
-                           r'(more than \d+ MB of memory|\d+ ms) to build \(within 16 tokens of a probe\), more than '
-                           r'the limit of .*such as \(\(a\{100\}\)\{100\}\)\{1000\}'):
+        with pytest.raises(GrammarCompileError, match=r'the (regex|json_schema) grammar .* requires a text of at '
+                           r'least [\d,]+ characters in one part, more than the limit of 1,000,000: .*such as '
+                           r'\(\(a\{100\}\)\{100\}\)\{1000\}'):
             svc.submit(kind, source, **options).result(timeout=120)
         # a forced literal of a thousand characters is cheap, and the service goes on
         assert svc.submit('regex', 'x(ab){500}y').result(timeout=60) is not None
+
+
+def test_the_probe_reads_the_forced_text_of_each_state():
+    """Below the limit of required text, the probe still times each state's jump-forward text (which the
+    speculative path reads) beside its mask: a forced text that takes long to build is found at the start."""
+    compiled = grammar_compiler('llama3').compile_regex(FORCED_MILLIONS)
+    with pytest.raises(ForcedTextCost) as raised:
+        grammar_cost(compiled, limit_s=0.05)
+    assert raised.value.seconds > 0.05
+    # the masks alone are cheap: without a limit the walk passes
+    assert grammar_cost(compiled).seconds < 60
+
+
+def test_required_text_length_of_rules():
+    import xgrammar as xgr
+
+    from lmdeploy_guided_spec.language import required_text_length
+    assert required_text_length(xgr.Grammar.from_regex(FORCED_MILLIONS)) == 10 ** 7
+    assert required_text_length(xgr.Grammar.from_regex(f'[a-z]{{400}}{FORCED_MILLIONS}')) == 10 ** 7 + 400
+    # a recursion requires its shortest way out; optional and starred parts nothing; an escape is one character
+    assert required_text_length(xgr.Grammar.from_ebnf('root ::= "(" root ")" | "x"')) == 3
+    assert required_text_length(xgr.Grammar.from_ebnf('root ::= "ab" [0-9]* "c"? "\\n"')) == 3
+    # references multiply: 4 x 4 x 4 x 8
+    assert required_text_length(xgr.Grammar.from_ebnf(
+        'root ::= a a a a\na ::= b b b b\nb ::= c c c c\nc ::= "xxxxxxxx"')) == 512
+    # an object of thousands of optional properties requires little, and is read in about a second
+    assert required_text_length(xgr.Grammar.from_json_schema(json.dumps(wide_object(4000)))) < 100
+    # a rule that derives nothing requires nothing
+    assert required_text_length(xgr.Grammar.from_ebnf('root ::= "a" | b\nb ::= "x" b')) == 1
 
 
 def test_a_bad_mask_limit_variable_is_named(monkeypatch):
