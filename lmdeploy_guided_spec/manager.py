@@ -315,7 +315,7 @@ class SpecGrammarManager:
         if self.guesses is not None or jumps is not None:
             token_ids, ready = host_lists(token_ids, ready), None
         accepted = commit(matchers, token_ids, session_ids=session_ids, failures=failures, vocab_size=self.vocab_size,
-                          ready=ready)
+                          ready=ready, clock=self.clock)
         if jumps is not None:
             token_bytes = self.forced_tokenizer.token_bytes
             for row, matcher in matchers.items():

@@ -67,9 +67,10 @@ class MaskClock:
         matcher.fill_next_token_bitmask(bitmask, index)
         return self.charge(key, time.thread_time() - start, owner)
 
-    def charge(self, key: Hashable, seconds: float, owner: Any = None) -> bool:
-        """Count a mask of ``seconds`` CPU time for the request ``key`` (its committed matcher ``owner``); True where
-        it is over the limit. At :attr:`STRIKES` such masks of one owner the request is over the limit."""
+    def charge(self, key: Hashable, seconds: float, owner: Any = None, what: str = 'a mask') -> bool:
+        """Count a mask (or other grammar work of one token, ``what``: 'an accept') of ``seconds`` CPU time for the
+        request ``key`` (its committed matcher ``owner``); True where it is over the limit. At :attr:`STRIKES` such
+        measures of one owner the request is over the limit."""
         if not seconds > self.limit_s:
             return False
         from .compile import MASK_LIMIT_ENV
@@ -79,7 +80,7 @@ class MaskClock:
             self._strikes[key] = (owner, count)
             if count >= self.STRIKES and key not in self._over:
                 self._over[key] = (owner, (
-                    f'the grammar costs {seconds * 1e3:.0f} ms per token to match (a mask of the running request), '
+                    f'the grammar costs {seconds * 1e3:.0f} ms per token to match ({what} of the running request), '
                     f'more than the limit of {self.limit_ms:g} ms ({MASK_LIMIT_ENV}): every request of the batch '
                     'waited for it at every step. Simplify the schema or regex; counted repetitions of groups that '
                     'can match the same text in several ways, such as ([a-z]+ ?){1,300}, are the usual cause'))

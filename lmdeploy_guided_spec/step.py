@@ -22,6 +22,7 @@ an ended matcher's mask or jump-forward string.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -231,7 +232,8 @@ def _rejection(matcher, token: int, count: int, vocab_size: int | None) -> str:
 
 def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
            session_ids: Sequence[int] | Mapping[int, int] | None = None, failures: dict | None = None,
-           vocab_size: int | None = None, ready: Ready | None = None) -> dict[int, int]:
+           vocab_size: int | None = None, ready: Ready | None = None, clock: MaskClock | None = None
+           ) -> dict[int, int]:
     """Advance each committed matcher by the tokens the target accepted for its row.
 
     Parameters
@@ -251,6 +253,10 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
         The model's vocabulary size, so that a failure can say the grammar allows no token at all.
     ready : object with ``synchronize()``, optional
         Waited for before ``token_ids`` is read (see :mod:`lmdeploy_guided_spec.ordering`).
+    clock : MaskClock, optional
+        With ``session_ids``, each accept is timed against the mask limit, as masks are: xgrammar's accepts of an
+        ambiguous grammar can grow slow faster than its masks (``((x|xx)+ ?){1,300}``: 264 ms an accept beside
+        65 ms a mask).
 
     Returns
     -------
@@ -267,6 +273,7 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
     rows = host_lists(token_ids, ready)
     accepted = {}
     found = {} if failures is None else failures
+    timed = clock is not None and session_ids is not None
     for row, matcher in matchers.items():
         tokens = rows[row]
         if not isinstance(tokens, list):
@@ -277,7 +284,13 @@ def commit(matchers: Matchers, token_ids: torch.Tensor | Sequence, *,
             if token < 0 or has_ended(matcher):
                 # an ended matcher accepts nothing more (and xgrammar would print a warning per token)
                 break
-            if not matcher.accept_token(token):
+            if timed:
+                start = time.thread_time()
+                taken = matcher.accept_token(token)
+                clock.charge(session_ids[row], time.thread_time() - start, matcher, 'an accept')
+            else:
+                taken = matcher.accept_token(token)
+            if not taken:
                 # a terminating matcher rejects the stop token after the end of its grammar: the row ended (an ended
                 # matcher was not asked above)
                 if not (matcher.is_terminated() and token in stop_tokens(matcher)):
