@@ -98,9 +98,9 @@ COMPILE_CACHE_ENV = 'LMDEPLOY_GUIDED_SPEC_COMPILE_CACHE_MB'
 DEFAULT_COMPILE_CACHE_MB = 256.0
 #: Token positions a probe walks through a compiled grammar.
 PROBE_TOKENS = 16
-#: Most characters one part of a grammar may require (:func:`.language.required_text_length`): a text the grammar
-#: forces is built whole by xgrammar at each read of its jump-forward string, wherever it sits (the probe reads those
-#: of its first tokens only). a{1000000} takes 0.18 s a read; the schemas of JSONSchemaBench require at most 2,663.
+#: Most characters of fixed text one part of a grammar may require (:func:`.language.required_text_length`): a text
+#: the grammar forces is built whole by xgrammar at each read of its jump-forward string, wherever it sits (the probe
+#: reads those of its first tokens only). a{1000000} takes 0.18 s a read; JSONSchemaBench's schemas require <= 2,656.
 FORCED_TEXT_LIMIT_CHARS = 10 ** 6
 #: Walks of a probe (each from the grammar's start, with its own random choices).
 PROBE_WALKS = 3
@@ -358,8 +358,8 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
     def fill(matcher) -> tuple[float, np.ndarray]:
-        """CPU seconds of the mask (the fastest of up to three fills) and of the state's jump-forward text, and the
-        tokens the mask allows, stop tokens not."""
+        """CPU seconds of the mask (the fastest of up to three fills) and the tokens it allows, stop tokens not; the
+        state's jump-forward text is timed on its own (:class:`ForcedTextCost`)."""
         seconds = []
         for _ in range(3):
             # CPU time of this thread: a busy machine does not make a grammar slow (a mask of 12 ms took 65 ms of
@@ -386,7 +386,7 @@ def grammar_cost(grammar: xgr.CompiledGrammar, *, tokens: int = PROBE_TOKENS, wa
         forced_s = time.thread_time() - start
         if limit_s is not None and forced_s > limit_s:
             raise ForcedTextCost(forced_s)
-        return min(seconds) + forced_s, bits
+        return min(seconds), bits
 
     def choose(allowed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Up to 8 tokens to try, in order: the steered choice first, then any token the walk prefers."""
@@ -599,9 +599,15 @@ def _probe_wide_objects(compiler, kind: str, source, options: dict, cost: Gramma
         if grammar is None:
             continue
         where[0] = (wide.place, wide.optional)
-        with _memory_cap(cap):
-            alone = grammar_cost(grammar, limit_s=limit_s, state_limit_bytes=state_limit_bytes, kinds=kinds)
-        del grammar
+        try:
+            with _memory_cap(cap):
+                alone = grammar_cost(grammar, limit_s=limit_s, state_limit_bytes=state_limit_bytes, kinds=kinds)
+        except RuntimeError as exc:
+            if 'bad_alloc' in str(exc):
+                raise  # over the cap: the object's place goes with the refusal
+            continue  # the object alone is not the source: its own compile and probe stand
+        finally:
+            del grammar
         if alone.seconds > limit_s or alone.state_bytes > state_limit_bytes:
             return alone
     where[0] = None
@@ -1453,8 +1459,8 @@ class GrammarCompileService:
                 f'repetitions of fixed text, such as ((a{{100}}){{100}}){{1000}}, force millions of characters')
         if reply[0] == 'long':
             raise GrammarCompileError(
-                f'the {self._describe(job)} requires a text of at least {reply[1]:,} characters in one part, more '
-                f'than the limit of {FORCED_TEXT_LIMIT_CHARS:,}: where the grammar forces such a text, xgrammar '
+                f'the {self._describe(job)} requires at least {reply[1]:,} characters of fixed text in one part, '
+                f'more than the limit of {FORCED_TEXT_LIMIT_CHARS:,}: where the grammar forces such a text, xgrammar '
                 f'builds all of it each time a speculative step reads what the grammar forces (ten million '
                 f'characters: 1 to 4 s and 0.7 GB each time), and no output holds it. Simplify the schema or regex; '
                 f'nested counted repetitions, such as ((a{{100}}){{100}}){{1000}}, are the usual cause')

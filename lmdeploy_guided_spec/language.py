@@ -333,8 +333,9 @@ def _language_is_empty(text: str, root: str) -> bool:
 
 
 # -- the longest text a part of a grammar requires -------------------------------------------------------------
-# nodes: ('len', n) (a literal of n characters, or a class: 1), ('ref', name), ('seq', [nodes]), ('alt', [nodes]),
-# ('rep', node, least) (a node repeated at least `least` times: 0 for ?, *, {0,n}, 1 for +)
+# nodes: ('len', n) (n characters of fixed text: a literal, a class of one character), ('ref', name),
+# ('seq', [nodes]), ('alt', [nodes]), ('rep', node, least) (a node repeated at least `least` times: 0 for ?, *,
+# {0,n}, 1 for +)
 #: Lengths past this are counted as this (a grammar's numbers stay small integers).
 _LENGTH_CAP = 10 ** 18
 
@@ -365,17 +366,25 @@ class _LengthParser(_Parser):
             self.i = _skip_quoted(self.text, self.i, '"')
             return ('len', _literal_length(self.text[start:self.i]))
         if ch == '[':
+            start = self.i
             self.i = _skip_quoted(self.text, self.i, ']')
-            return ('len', 1)
+            try:
+                ranges = _class_ranges(self.text[start + 1:self.i - 1])
+            except _Unsupported:
+                ranges = ()
+            # a class of one character is fixed text (a deterministic grammar writes its literals so); one of
+            # several forces nothing
+            return ('len', 1 if len(ranges) == 1 and ranges[0][0] == ranges[0][1] else 0)
         node = super().atom()
-        return ('len', 1) if node == ('lit', ) else node
+        return ('len', 0) if node == ('lit', ) else node
 
 
 def required_text_length(grammar) -> int:
-    """The most characters that one sequence of one rule of ``grammar`` requires: the length of the shortest text it
-    derives (counted repetitions multiply it: ``a{1000}`` requires 1,000). Where a state's text is forced, the forced
-    text is at most about this long, and xgrammar's jump-forward string builds it whole. 0 where the text holds
-    something this analysis does not read.
+    """The most characters of fixed text that one sequence of one rule of ``grammar`` requires: the fewest that its
+    texts hold of literals and one-character classes (counted repetitions multiply them: ``a{1000}`` requires 1,000;
+    a class of several characters, ``[a-z]{1000}``, forces nothing and counts 0). Where a state's text is forced, the
+    forced text is at most about this long, and xgrammar's jump-forward string builds it whole. 0 where the text
+    holds something this analysis does not read.
 
     Pseudocode (Knuth's generalisation of Dijkstra's shortest paths: a sum, a minimum and a count times a length are
     never less than what they read, so values leave the heap in order and each is final when it leaves)::

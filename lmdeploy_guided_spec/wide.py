@@ -55,7 +55,7 @@ def source_schemas(kind: str, source) -> list:
             if document.get('kind') == 'json_schema' and document.get('source') is not None:
                 schemas += source_schemas('json_schema', document['source'])
             return schemas + (tag_schemas(calls) if isinstance(calls, (dict, list)) else [])
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError, RecursionError):
         pass
     return []
 
@@ -63,8 +63,8 @@ def source_schemas(kind: str, source) -> list:
 def wide_objects(kind: str, source, *, least: int = WIDE_OPTIONAL_PROPERTIES,
                  most: int = WIDE_OBJECT_PROBES) -> list[WideObject]:
     """The objects with at least ``least`` optional properties in the schemas of a compile's source, the widest first,
-    at most ``most``; the top of a ``json_schema`` is not one (the probe of the whole grammar reads its keys first).
-    Walked without recursion, each value once."""
+    at most ``most``; the top of a schema too (a long required property before the optional ones hides them from
+    the probe of the whole grammar). Walked without recursion, each value once."""
     schemas = source_schemas(kind, source)
     found: list[WideObject] = []
     seen: set[int] = set()
@@ -87,13 +87,14 @@ def wide_objects(kind: str, source, *, least: int = WIDE_OPTIONAL_PROPERTIES,
             if own:
                 definitions = {**definitions, **{key: {**definitions.get(key, {}), **own[key]} for key in own}}
             properties = value.get('properties')
-            if isinstance(properties, dict) and not (kind == 'json_schema' and place == top):
+            if isinstance(properties, dict):
                 required = value.get('required')
                 required = set(required) if isinstance(required, list) and all(
                     isinstance(name, str) for name in required) else set()
                 optional = sum(1 for name in properties if name not in required)
                 if optional >= least:
-                    alone = {**{key: v for key, v in definitions.items() if key not in value}, **value}
+                    # its own definitions and those around it (merged above)
+                    alone = {**value, **definitions}
                     skeleton = {**alone, 'properties': {name: {'type': 'integer'} for name in properties}}
                     found.append(WideObject(place, optional, alone, skeleton))
             stack.extend((v, f'{place}/{_escape(key)}', definitions) for key, v in value.items()

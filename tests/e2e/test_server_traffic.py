@@ -188,7 +188,7 @@ def test_hostile_requests(server):
     # a regex that forces ten million characters after 400 free ones (no probe reaches them; every mask costs
     # microseconds): xgrammar built all of them, 1 to 4 s and 0.7 GB, at each read of the forced text
     forced = {'type': 'regex_schema', 'regex_schema': '[a-z]{400}((a{100}){100}){1000}'}
-    _refused(client, model, messages, forced, 'requires a text of at least 10,000,400 characters')
+    _refused(client, model, messages, forced, 'requires at least 10,000,000 characters of fixed text')
     # raw logprobs of a guided request, non-streamed and streamed: finite numbers, valid JSON over HTTP
     fmt = response_format('json_schema')
     choice = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=96,

@@ -21,13 +21,14 @@ def _places(kind: str, source, **kwargs) -> list[tuple[str, int]]:
     return [(wide.place, wide.optional) for wide in wide_objects(kind, source, **kwargs)]
 
 
-def test_an_object_behind_a_long_const_is_found_and_the_top_is_not():
+def test_an_object_behind_a_long_const_is_found_and_the_top_too():
     hidden = {'type': 'object', 'properties': {'intro': INTRO, 'data': wide_object(600)},
               'required': ['intro', 'data']}
     assert _places('json_schema', json.dumps(hidden)) == [('/properties/data', 600)]
     assert _places('json_schema', hidden) == [('/properties/data', 600)]
-    # the top of a schema: the probe of the whole grammar reads its keys first
-    assert _places('json_schema', wide_object(600)) == []
+    # the top of a schema: a long required property before its optional ones hides them from the probe too
+    top = {'type': 'object', 'properties': {'intro': INTRO, **wide_object(600)['properties']}, 'required': ['intro']}
+    assert _places('json_schema', top) == [('', 600)]
 
 
 def test_required_properties_are_not_counted():
@@ -47,6 +48,10 @@ def test_wide_objects_in_definitions_and_alternatives_widest_first():
     assert [(w.place, w.optional) for w in found] == [('/anyOf/1/properties/x', 900), ('/$defs/Big', 700)]
     # each alone keeps the definitions around it, so that a reference inside it resolves
     assert found[0].schema['$defs'].keys() == {'Big', 'Small'}
+    # ... merged with its own
+    own = {'$defs': {'Outer': {'type': 'integer'}}, 'type': 'array',
+           'items': {**wide_object(600), '$defs': {'Inner': {'type': 'string'}}}}
+    assert wide_objects('json_schema', own)[0].schema['$defs'].keys() == {'Outer', 'Inner'}
     assert found[0].schema['properties'] == wide_object(900)['properties']
     # the skeleton: the same keys, integer values
     assert set(found[0].skeleton['properties']) == set(found[0].schema['properties'])
