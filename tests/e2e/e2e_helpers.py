@@ -341,7 +341,9 @@ def served(tmp_path_factory, args: list[str], **kwargs):
 def openai_client(server: dict) -> tuple:
     """``(client, model name)`` of the ``openai`` client of a :func:`served` server."""
     import openai
-    c = openai.OpenAI(base_url=f'{server["base"]}/v1', api_key='none', timeout=120, max_retries=0)
+    # requests of hundreds of tokens at once took 120 s on a CI machine whose other suite ran its rank checks beside
+    # them (13 s on the machine alone): the timeout catches a stall, not a slow machine
+    c = openai.OpenAI(base_url=f'{server["base"]}/v1', api_key='none', timeout=300, max_retries=0)
     return c, c.models.list().data[0].id
 
 
