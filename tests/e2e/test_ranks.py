@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -156,7 +157,8 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path, capfd)
     for the start of its processes as well (4.7 s in a hunt).
 
     What tells is each rank's own account: a rank whose step holds a grammar for more than a second (compiling it, or
-    waiting for its compile) logs it, and no rank may. The stream's longest pause is printed, not asserted: on two
+    waiting for its compile) logs it, and no rank may hold it for half a compile (its own compile, started with the
+    engine's, may end a moment later: 1.2 s once in CI). The stream's longest pause is printed, not asserted: on two
     cores the three compiles off the step take the CPU from the ranks' steps as well (4.3 s in CI beside the other
     release's suite, with no step holding the grammar)."""
     import xgrammar as xgr
@@ -193,7 +195,10 @@ def test_tp2_a_new_grammar_compiles_on_the_ranks_off_their_step(cpu_path, capfd)
     print(out.out, end='')  # (kept in the report of a failure)
     sys.stderr.write(out.err)
     held = [line for line in (out.out + out.err).splitlines() if 'inside the step' in line]
-    assert not held, held
+    # a compile inside the step holds it for a whole compile (at least `alone`); a rank whose own compile, started
+    # with the engine's, ends a moment after it waits for that moment (three compiles on two cores: 1.2 s once)
+    seconds = [float(re.search(r'inside the step, ([0-9.]+) s', line).group(1)) for line in held]
+    assert all(s < alone / 2 for s in seconds), (alone, held)
 
 
 def test_tp2_free_drafts_rank_that_does_not_sample_keeps_no_grammar(engines, tmp_path):
